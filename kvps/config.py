@@ -1,0 +1,134 @@
+"""Every environment variable kvps reads, in one registry, parsed once.
+
+    cfg = Config.from_env()          # reads os.environ
+    cfg.scheduler                    # ("127.0.0.1", 9091)
+
+MXNet's DMLC_* names are accepted where kvps has an equivalent, so an MXNet
+launch script starts a kvps job unchanged; a KVPS_* variable wins over its DMLC_*
+twin. docs/config.md lists the same variables (tests/test_config.py keeps it true).
+"""
+import dataclasses
+import os
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    name: str
+    default: object
+    kind: type
+    meaning: str
+    alias: tuple = ()          # DMLC_* names read when `name` is unset
+
+
+ROLES = ("scheduler", "server", "worker")
+
+VARIABLES = (
+    Var("KVPS_ROLE", "worker", str, "this process's role: scheduler, server or worker", ("DMLC_ROLE",)),
+    Var("KVPS_SCHEDULER", None, str, "the scheduler's HOST:PORT (DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT also work)"),
+    Var("KVPS_NUM_WORKERS", 1, int, "number of workers in the job", ("DMLC_NUM_WORKER",)),
+    Var("KVPS_NUM_SERVERS", 1, int, "number of servers in the job", ("DMLC_NUM_SERVER",)),
+    Var("KVPS_RANK", -1, int, "rank this node asks the scheduler for (-1: any; the launcher sets it)"),
+    Var("KVPS_HOST", None, str, "address this node advertises to its peers (default: the one that reaches the scheduler)", ("DMLC_NODE_HOST",)),
+    Var("KVPS_PORT", 0, int, "port a server binds (0: any free port)"),
+    Var("KVPS_TIMEOUT", 300.0, float, "seconds any single blocking call may wait before it raises KVTimeoutError"),
+    Var("KVPS_CONNECT_TIMEOUT", 120.0, float, "seconds to wait for all nodes to register with the scheduler"),
+    Var("KVPS_HEARTBEAT_INTERVAL", 1.0, float, "seconds between heartbeats to the scheduler"),
+    Var("KVPS_HEARTBEAT_TIMEOUT", 10.0, float, "seconds of silence after which a node is declared dead"),
+    Var("KVPS_BIGARRAY_BOUND", 1_000_000, int, "arrays with at least this many elements are split over all servers", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
+    Var("KVPS_KERNELS", "auto", str, "compute-kernel backend: auto, c, cuda, numba or numpy"),
+    Var("KVPS_LOG_LEVEL", "WARNING", str, "logging level of kvps's loggers (DEBUG shows every message)"),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def _parse(var, text, source):
+    try:
+        value = var.kind(text)
+    except ValueError:
+        raise ConfigError(f"{source}={text!r} is not a valid {var.kind.__name__} ({var.meaning})") from None
+    if var.kind in (int, float) and value < 0 and var.name != "KVPS_RANK":
+        raise ConfigError(f"{source}={text!r} must not be negative ({var.meaning})")
+    return value
+
+
+def _lookup(var, environ):
+    for name in (var.name,) + var.alias:
+        text = environ.get(name)
+        if text not in (None, ""):
+            return _parse(var, text, name)
+    return var.default
+
+
+def _scheduler(environ):
+    text = environ.get("KVPS_SCHEDULER")
+    if text:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"KVPS_SCHEDULER={text!r} is not HOST:PORT")
+        return host, int(port)
+    uri, port = environ.get("DMLC_PS_ROOT_URI"), environ.get("DMLC_PS_ROOT_PORT")
+    if uri and port:
+        if not port.isdigit():
+            raise ConfigError(f"DMLC_PS_ROOT_PORT={port!r} is not a port number")
+        return uri, int(port)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    role: str = "worker"
+    scheduler: tuple = None            # (host, port) or None when not in a job
+    num_workers: int = 1
+    num_servers: int = 1
+    rank: int = -1
+    host: str = None
+    port: int = 0
+    timeout: float = 300.0
+    connect_timeout: float = 120.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    bigarray_bound: int = 1_000_000
+    kernels: str = "auto"
+    log_level: str = "WARNING"
+
+    @classmethod
+    def from_env(cls, environ=None):
+        """Parse the environment; raises ConfigError naming the bad variable and value."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name == "scheduler":
+                values["scheduler"] = _scheduler(environ)
+            else:
+                values[field.name] = _lookup(_BY_NAME["KVPS_" + field.name.upper()], environ)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self):
+        if self.role not in ROLES:
+            raise ConfigError(f"KVPS_ROLE={self.role!r} is not one of {', '.join(ROLES)}")
+        if self.num_workers < 1:
+            raise ConfigError(f"KVPS_NUM_WORKERS={self.num_workers} must be at least 1")
+        if self.num_servers < 1:
+            raise ConfigError(f"KVPS_NUM_SERVERS={self.num_servers} must be at least 1")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError(f"KVPS_HEARTBEAT_TIMEOUT={self.heartbeat_timeout} must exceed "
+                              f"KVPS_HEARTBEAT_INTERVAL={self.heartbeat_interval}")
+        if self.bigarray_bound < 1:
+            raise ConfigError(f"KVPS_BIGARRAY_BOUND={self.bigarray_bound} must be at least 1")
+
+    def require_scheduler(self):
+        """The scheduler address; raises ConfigError naming the variables to set."""
+        if self.scheduler is None:
+            raise ConfigError("no scheduler address: set KVPS_SCHEDULER=HOST:PORT "
+                              "(or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT), or start the job with 'kvps launch'")
+        return self.scheduler
+
+    def replace(self, **changes):
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg

@@ -1,0 +1,225 @@
+"""The kvps wire protocol: version, op codes, dtypes and the message header.
+
+A message is a ZeroMQ multipart message:
+
+    frame 0      header: a msgpack map (below), small
+    frame 1..n   raw array payloads, one per entry whose nbytes > 0, in entry order
+
+A ROUTER socket prepends the sender's routing id; the transport strips it.
+
+Header fields (all required; unknown fields are refused):
+
+    v      int    protocol version (VERSION); another version is refused
+    op     int    an Op value
+    id     int    request id chosen by the sender; a reply carries its request's id
+    src    str    sender's node name: "H" (scheduler), "S<rank>", "W<rank>", or "?" before registration
+    keys   list   entries [key, part, dtype, shape, nbytes]: key is int or str, part is the
+                  part index of a split array (0 for whole arrays), dtype a DType value,
+                  shape a list of ints, nbytes the size of this entry's payload frame (0: none)
+    meta   map    small op-specific fields (str keys; msgpack scalars, lists and maps)
+
+Payloads never go inside msgpack, and nothing received is ever unpickled.
+"""
+import enum
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError, VersionMismatch
+
+VERSION = 1
+
+
+class Op(enum.IntEnum):
+    # control: nodes <-> scheduler
+    REGISTER = 1        # node -> H   meta: role, host, port, pid, rank (wanted), mode (workers)
+    MEMBERSHIP = 2      # H -> node   reply to REGISTER once all have registered: meta: rank, nodes, mode
+    BARRIER = 3         # node -> H   meta: group ("workers", "servers", "all")
+    HEARTBEAT = 4       # node -> H
+    FINALIZE = 5        # worker -> H: this worker is done
+    SHUTDOWN = 6        # H -> server: exit now
+    NODE_FAILED = 7     # H -> all    meta: node, reason, left (True: closed cleanly)
+    ACK = 8             # reply: done
+    ERROR = 9           # reply: meta: kind, message
+    # data: worker -> server
+    INIT = 20           # rank 0 sends payloads; other ranks send shapes only
+    PUSH = 21
+    PULL = 22
+    PUSHPULL = 23
+    ROW_SPARSE_PULL = 24  # payload per entry: int64 row ids local to the part
+    SET_OPTIMIZER = 25  # meta: name, params, generation
+    VALUE = 26          # reply carrying payloads
+    STATS = 27          # reply meta: server counters
+
+
+CONTROL_OPS = frozenset({Op.REGISTER, Op.MEMBERSHIP, Op.BARRIER, Op.HEARTBEAT, Op.FINALIZE,
+                         Op.SHUTDOWN, Op.NODE_FAILED, Op.ACK, Op.ERROR})
+DATA_OPS = frozenset(set(Op) - CONTROL_OPS)
+
+
+class DType(enum.IntEnum):
+    FLOAT32 = 0
+    FLOAT64 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    INT32 = 4
+    INT64 = 5
+    UINT8 = 6
+
+
+_NUMPY = {
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT64: np.dtype(np.float64),
+    DType.FLOAT16: np.dtype(np.float16),
+    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    DType.INT32: np.dtype(np.int32),
+    DType.INT64: np.dtype(np.int64),
+    DType.UINT8: np.dtype(np.uint8),
+}
+_FROM_NUMPY = {v: k for k, v in _NUMPY.items()}
+
+
+def numpy_dtype(code):
+    try:
+        return _NUMPY[DType(code)]
+    except ValueError:
+        raise ProtocolError(f"unknown dtype code {code!r}") from None
+
+
+def dtype_code(dtype):
+    """The DType of a numpy dtype; raises ValueError listing the supported ones."""
+    try:
+        return _FROM_NUMPY[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        names = ", ".join(str(d) for d in _NUMPY.values())
+        raise ValueError(f"dtype {dtype} is not supported (supported: {names})") from None
+
+
+class Entry(tuple):
+    """One key (or part of a split key) in a message: (key, part, dtype, shape, nbytes)."""
+    __slots__ = ()
+
+    def __new__(cls, key, part, dtype, shape, nbytes):
+        return tuple.__new__(cls, (key, part, dtype, tuple(shape), nbytes))
+
+    key = property(lambda self: self[0])
+    part = property(lambda self: self[1])
+    dtype = property(lambda self: self[2])
+    shape = property(lambda self: self[3])
+    nbytes = property(lambda self: self[4])
+
+    @classmethod
+    def of(cls, key, part, array):
+        """An entry describing a payload array."""
+        return cls(key, part, dtype_code(array.dtype), array.shape, array.nbytes)
+
+    @classmethod
+    def bare(cls, key, part, dtype, shape):
+        """An entry without payload (a pull request, or a non-root init)."""
+        return cls(key, part, dtype, shape, 0)
+
+
+_FIELDS = ("v", "op", "id", "src", "keys", "meta")
+
+
+class Header:
+    """A decoded message header; see the module docstring for the fields."""
+    __slots__ = ("op", "id", "src", "keys", "meta")
+
+    def __init__(self, op, id=0, src="?", keys=(), meta=None):
+        self.op = Op(op)
+        self.id = id
+        self.src = src
+        self.keys = list(keys)
+        self.meta = {} if meta is None else meta
+
+    def encode(self):
+        return msgpack.packb({"v": VERSION, "op": int(self.op), "id": self.id, "src": self.src,
+                              "keys": [[e[0], e[1], int(e[2]), list(e[3]), e[4]] for e in self.keys],
+                              "meta": self.meta}, use_bin_type=True)
+
+    def payload_count(self):
+        return sum(1 for e in self.keys if e.nbytes > 0)
+
+    def __repr__(self):
+        nbytes = sum(e.nbytes for e in self.keys)
+        return f"{self.src} {self.op.name} id={self.id} keys={len(self.keys)} {_size(nbytes)}"
+
+
+def _size(n):
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n}{unit}"
+        n //= 1024
+    return f"{n}GB"
+
+
+def _require(cond, what):
+    if not cond:
+        raise ProtocolError(what)
+
+
+def decode(frame):
+    """Decode and validate a header frame; raises ProtocolError naming the bad field."""
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=1 << 20,
+                              max_str_len=1 << 20, max_array_len=1 << 24, max_map_len=1 << 16)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    _require(isinstance(raw, dict), f"header is a {type(raw).__name__}, not a map")
+    version = raw.get("v")
+    if version != VERSION:
+        raise VersionMismatch(f"peer speaks kvps protocol version {version!r}, this node speaks {VERSION}")
+    _require(set(raw) == set(_FIELDS), f"header fields {sorted(map(str, raw))} are not {list(_FIELDS)}")
+    op = raw["op"]
+    _require(isinstance(op, int) and op in Op._value2member_map_, f"unknown op {op!r}")
+    _require(isinstance(raw["id"], int), f"id {raw['id']!r} is not an int")
+    _require(isinstance(raw["src"], str), f"src {raw['src']!r} is not a str")
+    _require(isinstance(raw["meta"], dict), f"meta is a {type(raw['meta']).__name__}, not a map")
+    _require(isinstance(raw["keys"], list), "keys is not a list")
+    keys = [_entry(e) for e in raw["keys"]]
+    return Header(op, raw["id"], raw["src"], keys, raw["meta"])
+
+
+def _entry(e):
+    _require(isinstance(e, list) and len(e) == 5, f"entry {e!r} is not [key, part, dtype, shape, nbytes]")
+    key, part, dtype, shape, nbytes = e
+    _require(isinstance(key, (int, str)) and not isinstance(key, bool), f"key {key!r} is not an int or str")
+    _require(isinstance(part, int) and part >= 0, f"part {part!r} of key {key!r} is not a part index")
+    _require(isinstance(dtype, int) and dtype in DType._value2member_map_, f"dtype {dtype!r} of key {key!r} is unknown")
+    _require(isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
+             f"shape {shape!r} of key {key!r} is not a list of sizes")
+    _require(isinstance(nbytes, int) and nbytes >= 0, f"nbytes {nbytes!r} of key {key!r} is not a size")
+    return Entry(key, part, DType(dtype), shape, nbytes)
+
+
+def unpack(frames):
+    """Split a received multipart message into (Header, payload frames) and check the payload sizes."""
+    _require(len(frames) >= 1, "empty message")
+    header = decode(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+    payloads = frames[1:]
+    want = header.payload_count()
+    _require(len(payloads) == want, f"{header.op.name} declares {want} payload frames, carries {len(payloads)}")
+    carrying = (e for e in header.keys if e.nbytes > 0)
+    for entry, frame in zip(carrying, payloads):
+        got = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+        _require(got == entry.nbytes, f"payload of key {entry.key!r} part {entry.part} has {got} bytes, "
+                                      f"header says {entry.nbytes}")
+        count = 1
+        for d in entry.shape:
+            count *= d
+        _require(count * numpy_dtype(entry.dtype).itemsize == entry.nbytes,
+                 f"payload of key {entry.key!r} part {entry.part} has {entry.nbytes} bytes, "
+                 f"but {numpy_dtype(entry.dtype)} {entry.shape} needs {count * numpy_dtype(entry.dtype).itemsize}")
+    return header, payloads
+
+
+def as_array(frame, entry):
+    """A read-only numpy view of a payload frame (no copy)."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    return np.frombuffer(buf, dtype=numpy_dtype(entry.dtype)).reshape(entry.shape)
+
+
+def error_header(request_id, src, kind, message):
+    return Header(Op.ERROR, request_id, src, meta={"kind": kind, "message": message})
