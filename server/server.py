@@ -1,0 +1,224 @@
+"""The server daemon: a registered node whose ROUTER takes data requests from workers.
+
+Every request is checked in full before anything changes (a bad entry fails the
+whole request and loses nothing), then handed to the Store. Replies go out when
+the store calls back: at once for async pushes and plain pulls, when the round
+closes for sync pushes. Values are sent without copying; the store is told, so
+it does not change a value zmq is still reading.
+"""
+import logging
+import threading
+
+import numpy as np
+
+from kvps import kernels
+from kvps.errors import KVValueError, NodeFailure, ProtocolError, describe, error_kind
+from kvps.node import Node, advertised_host
+from kvps.protocol import Entry, Header, Op, as_array, error_header, numpy_dtype
+
+from .store import Store
+from .updaters import Registry
+
+log = logging.getLogger("kvps.server")
+
+
+class Reply:
+    """Collects the per-entry results of one request and sends one reply when all are in."""
+
+    def __init__(self, server, routing_id, header, count, values):
+        self.server, self.routing_id, self.header = server, routing_id, header
+        self.results = [None] * count
+        self.left = count
+        self.values = values
+        self.error = None
+        self.answered = set()
+        if count == 0:
+            self._finish()
+
+    def callback(self, index):
+        def done(result):
+            if index in self.answered:
+                return  # a pushpull entry can fail twice (push and pull); count it once
+            self.answered.add(index)
+            if isinstance(result, Exception):
+                self.error = self.error or result
+            else:
+                self.results[index] = result
+            self.left -= 1
+            if self.left == 0:
+                self._finish()
+        return done
+
+    def _finish(self):
+        server, h = self.server, self.header
+        if self.error is not None:
+            server.reply_error(self.routing_id, h, self.error)
+        elif not self.values:
+            server.van.reply(self.routing_id, Header(Op.ACK, h.id, server.name))
+        else:
+            entries, payloads = [], []
+            for request_entry, array in zip(h.keys, self.results):
+                entries.append(Entry.of(request_entry.key, request_entry.part, array))
+                if array.nbytes:
+                    payloads.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            slots = [(e.key, e.part) for e in h.keys]
+            server.van.reply(self.routing_id, Header(Op.VALUE, h.id, server.name, entries), payloads,
+                             on_tracker=lambda tracker: [server.store.sent(k, p, tracker) for k, p in slots])
+
+
+class Server(Node):
+    """One server of a job; `serve()` runs until the scheduler shuts the job down."""
+
+    def __init__(self, cfg, registry=None):
+        super().__init__(cfg, "server")
+        self.registry = registry or Registry()
+        self.host = advertised_host(cfg)
+        self.van.bind(self.host, cfg.port)
+        self.store = None
+        self.optimizer = (0, None)              # (generation, spec)
+        self.exit_code = None
+        self._done = threading.Event()
+
+    def serve(self):
+        self.start()
+        self._done.wait()
+        self.stop()
+        return self.exit_code
+
+    # ---- node hooks (I/O thread) ----
+    def on_membership(self, meta):
+        self.store = Store(len(meta["workers"]), meta["mode"], sent_timeout=self.cfg.timeout)
+
+    def on_shutdown(self):
+        log.info("%s: shutdown", self.name)
+        self._end(0)
+
+    def on_worker_left(self, node):
+        if self.store is not None and node.startswith("W"):
+            self.store.worker_gone(int(node[1:]), f"worker {node} has left the job (closed its kvstore)")
+
+    def on_failure(self, node, failure):
+        if node == "H":
+            log.error("%s: %s; exiting", self.name, failure)
+            self._end(1)
+        elif self.store is not None and node and node.startswith("W"):
+            self.store.worker_gone(int(node[1:]), str(failure))
+
+    def _end(self, code):
+        if self.exit_code is None:
+            self.exit_code = code
+        self._done.set()
+
+    # ---- requests ----
+    def reply_error(self, routing_id, header, exc):
+        self.van.reply(routing_id, error_header(header.id, self.name, error_kind(exc), describe(exc)))
+
+    def on_client(self, routing_id, header, payloads):
+        try:
+            handler = self._handlers[header.op]
+        except KeyError:
+            return self.reply_error(routing_id, header, ProtocolError(f"a server does not handle {header.op.name}"))
+        try:
+            if self.store is None:
+                raise NodeFailure(f"{header.op.name} reached a server before the job formed")
+            worker = self._worker(header.src)
+            handler(self, routing_id, header, payloads, worker)
+        except Exception as exc:
+            log.warning("%s: %s from %s refused: %s", self.name, header.op.name, header.src, describe(exc))
+            self.reply_error(routing_id, header, exc)
+
+    def _worker(self, src):
+        num = self.store.num_workers
+        if not (src[:1] == "W" and src[1:].isdigit() and int(src[1:]) < num):
+            raise ProtocolError(f"request from {src!r}, which is not one of this job's {num} workers")
+        return int(src[1:])
+
+    def _arrays(self, header, payloads, need):
+        """[(entry, array or None)]; checks each entry's payload is there when `need`."""
+        frames = iter(payloads)
+        out = []
+        for e in header.keys:
+            array = as_array(next(frames), e) if e.nbytes else None
+            if array is None and need:
+                array = np.empty(e.shape, numpy_dtype(e.dtype))
+                if array.size:
+                    raise KVValueError(f"{header.op.name} of key {e.key!r} carries no value")
+            out.append((e, array))
+        return out
+
+    def _check_all(self, entries):
+        for e, _ in entries:
+            self.store.check(e.key, e.part, numpy_dtype(e.dtype), e.shape)
+
+    def _init(self, routing_id, header, payloads, worker):
+        entries = self._arrays(header, payloads, need=False)
+        for e, array in entries:
+            if array is None and worker == 0 and int(np.prod(e.shape)) > 0:
+                raise KVValueError(f"INIT of key {e.key!r} from rank 0 carries no value")
+        reply = Reply(self, routing_id, header, len(entries), values=False)
+        for i, (e, array) in enumerate(entries):
+            if worker == 0 and array is None:
+                array = np.empty(e.shape, numpy_dtype(e.dtype))
+            self.store.init(worker, e.key, e.part, numpy_dtype(e.dtype), e.shape,
+                            array if worker == 0 else None, reply.callback(i))
+
+    def _push(self, routing_id, header, payloads, worker, then_pull=False):
+        entries = self._arrays(header, payloads, need=True)
+        self._check_all(entries)
+        reply = Reply(self, routing_id, header, len(entries), values=then_pull)
+        for i, (e, array) in enumerate(entries):
+            done = reply.callback(i)
+            if then_pull:
+                self.store.push(worker, e.key, e.part, array, lambda r, done=done: r is None or done(r))
+                self.store.pull(worker, e.key, e.part, done)
+            else:
+                self.store.push(worker, e.key, e.part, array, done)
+
+    def _pushpull(self, routing_id, header, payloads, worker):
+        self._push(routing_id, header, payloads, worker, then_pull=True)
+
+    def _pull(self, routing_id, header, payloads, worker):
+        for e in header.keys:
+            self.store.slot(e.key, e.part)
+        reply = Reply(self, routing_id, header, len(header.keys), values=True)
+        for i, e in enumerate(header.keys):
+            self.store.pull(worker, e.key, e.part, reply.callback(i))
+
+    def _row_sparse_pull(self, routing_id, header, payloads, worker):
+        entries = self._arrays(header, payloads, need=True)
+        rows = []
+        for e, ids in entries:
+            slot = self.store.slot(e.key, e.part)
+            if ids.dtype != np.int64 or ids.ndim != 1:
+                raise KVValueError(f"row ids for key {e.key!r} must be a 1-D int64 array, got {ids.dtype} {ids.shape}")
+            if not slot.shape:
+                raise KVValueError(f"key {e.key!r} is a scalar; row_sparse_pull needs rows")
+            limit = slot.shape[0]
+            if ids.size and (ids.min() < 0 or ids.max() >= limit):
+                raise KVValueError(f"key {e.key!r} part {e.part} holds {limit} rows; row ids "
+                                   f"{int(ids.min())}..{int(ids.max())} are out of range")
+            rows.append(ids)
+        reply = Reply(self, routing_id, header, len(entries), values=True)
+        for i, ((e, _), ids) in enumerate(zip(entries, rows)):
+            self.store.pull(worker, e.key, e.part, reply.callback(i), rows=ids)
+
+    def _set_optimizer(self, routing_id, header, payloads, worker):
+        generation, spec = header.meta.get("generation"), header.meta.get("spec")
+        current, current_spec = self.optimizer
+        if not isinstance(generation, int) or generation < 1:
+            raise ProtocolError(f"SET_OPTIMIZER generation {generation!r} is not a positive int")
+        if generation > current:
+            self.store.set_updater(self.registry.create(spec))
+            self.optimizer = (generation, spec)
+            log.info("%s: optimizer %s", self.name, spec)
+        elif generation == current and spec != current_spec:
+            raise KVValueError(f"workers set different optimizers: {current_spec} and, from W{worker}, {spec}")
+        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name))
+
+    def _stats(self, routing_id, header, payloads, worker):
+        meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
+                    keys=len(self.store.slots), mode=self.store.mode)
+        self.van.reply(routing_id, Header(Op.STATS, header.id, self.name, meta=meta))
+
+    _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,
+                 Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats}

@@ -1,0 +1,186 @@
+"""Server-side update rules (optimizers) and the registry a server looks them up in.
+
+A worker names a rule and its parameters (kvps.optimizer); the server builds it
+from its own registry, so only code the server's operator installed ever runs.
+An operator adds a rule with a plugin module passed as `kvps server --plugin MOD`;
+the module defines `kvps_register(registry)` and calls `registry.add(MyRule)`:
+
+    class Scaled(UpdateRule):
+        name = "scaled"
+        defaults = {"learning_rate": 0.1}
+        def apply(self, weight, grad, state, count):
+            weight -= self.params["learning_rate"] * grad
+
+The built-in rules call the fused kernels of kvps.kernels on float32 weights.
+float16 and bfloat16 keys keep a float32 master copy (MXNet's multi_precision);
+float64 keys run the kernels' numpy reference at float64.
+"""
+import importlib
+import math
+
+import numpy as np
+
+from kvps import kernels
+from kvps.errors import ConfigError
+from kvps.optimizer import SGD, NAG, Adam, AdamW, AdaGrad, RMSProp
+
+FLOATS = {np.dtype(np.float32), np.dtype(np.float64)}
+
+
+class UpdateRule:
+    """One optimizer: `apply` updates weight in place from grad and the rule's state."""
+
+    name = None
+    defaults = {}
+    state_count = 0          # float32 arrays of the weight's shape kept per key
+
+    def __init__(self, params):
+        unknown = sorted(set(params) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"optimizer {self.name!r} has no parameter {', '.join(unknown)} "
+                             f"(parameters: {', '.join(self.defaults)})")
+        self.params = dict(self.defaults, **params)
+        for key, value in self.params.items():
+            if key != "clip_gradient" and isinstance(self.defaults.get(key), float) and \
+                    not isinstance(value, (int, float)):
+                raise ValueError(f"optimizer {self.name!r} parameter {key}={value!r} is not a number")
+        clip = self.params.get("clip_gradient")
+        if clip is not None and (not isinstance(clip, (int, float)) or clip < 0):
+            raise ValueError(f"optimizer {self.name!r} clip_gradient={clip!r} must be None or >= 0")
+
+    def create_state(self, weight):
+        return [np.zeros_like(weight) for _ in range(self.state_count)]
+
+    def apply(self, weight, grad, state, count):
+        raise NotImplementedError
+
+    def common(self):
+        p = self.params
+        return {"wd": p["wd"], "rescale_grad": p["rescale_grad"], "clip_gradient": p["clip_gradient"]}
+
+
+def _ops(weight):
+    """The kernel module for a weight: fused kernels at float32, the reference otherwise."""
+    return kernels if weight.dtype == np.float32 else kernels.reference
+
+
+class SGDRule(UpdateRule):
+    name, defaults = SGD.name, SGD.defaults
+
+    def create_state(self, weight):
+        return [np.zeros_like(weight)] if self.params["momentum"] else [None]
+
+    def apply(self, weight, grad, state, count):
+        p = self.params
+        _ops(weight).sgd_update(weight, grad, state[0], lr=p["learning_rate"], momentum=p["momentum"],
+                                nesterov=bool(p["nesterov"]), **self.common())
+
+
+class NAGRule(SGDRule):
+    name, defaults = NAG.name, NAG.defaults
+
+
+class AdamRule(UpdateRule):
+    name, defaults, state_count = Adam.name, Adam.defaults, 2
+
+    def apply(self, weight, grad, state, count):
+        p = self.params
+        # MXNet's Adam folds the bias corrections into the learning rate.
+        lr = p["learning_rate"] * math.sqrt(1 - p["beta2"] ** count) / (1 - p["beta1"] ** count)
+        _ops(weight).adam_update(weight, grad, state[0], state[1], lr=lr, beta1=p["beta1"], beta2=p["beta2"],
+                                 epsilon=p["epsilon"], **self.common())
+
+
+class AdamWRule(UpdateRule):
+    name, defaults, state_count = AdamW.name, AdamW.defaults, 2
+
+    def apply(self, weight, grad, state, count):
+        p = self.params
+        lr = p["learning_rate"] * math.sqrt(1 - p["beta2"] ** count) / (1 - p["beta1"] ** count)
+        _ops(weight).adamw_update(weight, grad, state[0], state[1], lr=lr, beta1=p["beta1"], beta2=p["beta2"],
+                                  epsilon=p["epsilon"], eta=p["eta"], **self.common())
+
+
+class AdaGradRule(UpdateRule):
+    name, defaults, state_count = AdaGrad.name, AdaGrad.defaults, 1
+
+    def apply(self, weight, grad, state, count):
+        p = self.params
+        _ops(weight).adagrad_update(weight, grad, state[0], lr=p["learning_rate"], epsilon=p["epsilon"],
+                                    **self.common())
+
+
+class RMSPropRule(UpdateRule):
+    name, defaults, state_count = RMSProp.name, RMSProp.defaults, 1
+
+    def apply(self, weight, grad, state, count):
+        p = self.params
+        _ops(weight).rmsprop_update(weight, grad, state[0], lr=p["learning_rate"], gamma1=p["gamma1"],
+                                    epsilon=p["epsilon"], **self.common())
+
+
+BUILTIN = (SGDRule, NAGRule, AdamRule, AdamWRule, AdaGradRule, RMSPropRule)
+
+
+class Registry:
+    """The update rules one server knows: the built-ins plus its operator's plugins."""
+
+    def __init__(self):
+        self._rules = {rule.name: rule for rule in BUILTIN}
+
+    def add(self, rule):
+        if not (isinstance(rule, type) and issubclass(rule, UpdateRule) and isinstance(rule.name, str)):
+            raise TypeError(f"{rule!r} is not an UpdateRule subclass with a name")
+        self._rules[rule.name] = rule
+
+    def names(self):
+        return sorted(self._rules)
+
+    def load_plugin(self, module_name):
+        """Import an operator's module and let it register its rules."""
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"--plugin {module_name}: cannot import it ({exc})") from None
+        register = getattr(module, "kvps_register", None)
+        if not callable(register):
+            raise ConfigError(f"--plugin {module_name}: the module has no kvps_register(registry) function")
+        register(self)
+
+    def create(self, spec):
+        """An Updater for a worker's {"name", "params"}; raises ValueError naming what is wrong."""
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or \
+                not isinstance(spec.get("params", {}), dict):
+            raise ValueError(f"optimizer spec {spec!r} is not {{'name': str, 'params': dict}}")
+        rule = self._rules.get(spec["name"].lower())
+        if rule is None:
+            raise ValueError(f"this server has no optimizer {spec['name']!r} (it has: {', '.join(self.names())}; "
+                             f"an operator adds more with --plugin)")
+        return Updater(rule(spec.get("params", {})))
+
+
+class Updater:
+    """Applies one rule to every key of a server, keeping each key's state and step count."""
+
+    def __init__(self, rule):
+        self.rule = rule
+        self._state = {}        # slot id -> [master float32 weight or None, count, state arrays]
+
+    def __call__(self, slot_id, weight, grad):
+        """weight <- rule(weight, grad), in place."""
+        if weight.dtype.kind not in "fV" and weight.dtype.name != "bfloat16":
+            raise ValueError(f"key {slot_id[0]!r} is {weight.dtype}: an optimizer needs a floating-point key")
+        entry = self._state.get(slot_id)
+        if entry is None:
+            master = None if weight.dtype in FLOATS else weight.astype(np.float32)
+            entry = self._state[slot_id] = [master, 0, self.rule.create_state(master if master is not None
+                                                                               else weight)]
+        entry[1] += 1
+        master = entry[0]
+        if master is None:
+            if grad.dtype != weight.dtype:
+                grad = grad.astype(weight.dtype)
+            self.rule.apply(weight, grad, entry[2], entry[1])
+        else:
+            self.rule.apply(master, grad, entry[2], entry[1])
+            kernels.cast(master.reshape(-1), weight.reshape(-1))
