@@ -1,0 +1,88 @@
+"""Values as users pass them (numpy arrays, torch tensors) and as kvps moves them (numpy).
+
+torch is imported only when a torch tensor is seen, so servers never load it.
+bfloat16 tensors become numpy arrays of ml_dtypes.bfloat16 sharing their memory.
+CUDA tensors are copied through host memory (for now).
+"""
+import ml_dtypes
+import numpy as np
+
+from .protocol import dtype_code
+
+
+def is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_to_numpy(t):
+    import torch
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def as_numpy(value, what):
+    """A C-contiguous numpy array with the value's data (a view where possible).
+    Raises TypeError/ValueError naming `what` for values kvps cannot carry."""
+    if is_torch(value):
+        array = _torch_to_numpy(value)
+    elif isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+    else:
+        raise TypeError(f"{what} is a {type(value).__name__}; kvps takes numpy arrays and torch tensors")
+    try:
+        dtype_code(array.dtype)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return array
+
+
+class Out:
+    """A destination array: `array` is a numpy array to write into; `finish()` copies it
+    back where the caller's array could not be written directly (CUDA, non-contiguous)."""
+    __slots__ = ("target", "array", "copy_back")
+
+    def __init__(self, target, what):
+        self.target = target
+        self.copy_back = False
+        if is_torch(target):
+            if target.device.type == "cpu" and target.is_contiguous():
+                self.array = _torch_to_numpy(target)
+            else:
+                self.array = _torch_to_numpy(target).copy()
+                self.copy_back = True
+        elif isinstance(target, np.ndarray):
+            if not target.flags.writeable:
+                raise ValueError(f"{what} is read-only")
+            if target.flags.c_contiguous:
+                self.array = target
+            else:
+                self.array = np.empty(target.shape, target.dtype)
+                self.copy_back = True
+        else:
+            raise TypeError(f"{what} is a {type(target).__name__}; kvps takes numpy arrays and torch tensors")
+        try:
+            dtype_code(self.array.dtype)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+
+    def finish(self):
+        if not self.copy_back:
+            return
+        if is_torch(self.target):
+            import torch
+            src = torch.from_numpy(self.array.view(np.int16) if self.array.dtype == ml_dtypes.bfloat16
+                                   else self.array)
+            if self.target.dtype == torch.bfloat16:
+                src = src.view(torch.bfloat16)
+            self.target.copy_(src)
+        else:
+            np.copyto(self.target, self.array)
+
+
+def describe(dtype, shape):
+    return f"{np.dtype(dtype)} {tuple(shape)}"

@@ -1,0 +1,242 @@
+"""The distributed kvstore: one worker of a parameter-server job (dist_sync, dist_async).
+
+Each call is checked against what init declared, split into per-server
+requests (one message per server, carrying every key and part it holds), and
+sent by the node's I/O thread. Replies are written into the caller's arrays on
+that thread. The worker finds the scheduler through KVPS_SCHEDULER (or MXNet's
+DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT) and leaves the job on close() or exit.
+"""
+import atexit
+import collections
+import logging
+import weakref
+
+import numpy as np
+
+from . import sharding
+from .config import Config
+from .errors import KVPSError, ProtocolError
+from .kvstore import KeyInfo, KVStore
+from .node import SCHEDULER, Node
+from .protocol import Entry, Header, Op, as_array, dtype_code
+
+log = logging.getLogger("kvps.worker")
+
+
+def _bytes(array):
+    """A zero-copy byte view of a contiguous array (works for every dtype, bfloat16 too)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+class Worker(Node):
+    """The worker's node: connects to every server once the job has formed."""
+
+    def on_membership(self, meta):
+        for rank, (host, port, _) in enumerate(meta["servers"]):
+            self.van.connect(f"S{rank}", host, port)
+
+
+class DistKVStore(KVStore):
+
+    def __init__(self, name, mode, config=None):
+        super().__init__(name)
+        self.cfg = config or Config.from_env()
+        self.mode = mode
+        self._node = Worker(self.cfg, "worker", meta={"mode": mode})
+        self._node.start()
+        self._num_servers = len(self._node.membership["servers"])
+        self._pending = collections.deque()
+        self._optimizer_generation = 0
+        self._closed = False
+        self._atexit = weakref.WeakMethod(self.close)
+        atexit.register(_close_at_exit, self._atexit)
+
+    rank = property(lambda self: self._node.rank)
+    num_workers = property(lambda self: len(self._node.membership["workers"]))
+    num_servers = property(lambda self: self._num_servers)
+
+    # ---- plumbing ----
+    def _send(self, op, what, per_server, on_reply=None, keep=(), async_op=False, then=()):
+        """Send one request per server {server: (entries, payloads)}; returns the Handle."""
+        if self._closed:
+            raise KVPSError(f"{what}: this kvstore is closed")
+        items = [(f"S{server}", Header(op, keys=entries), payloads, on_reply)
+                 for server, (entries, payloads) in sorted(per_server.items())]
+        handle = self._node.request_many(items, what, keep=keep)
+        handle.then = then
+        if async_op:
+            self._pending.append(handle)
+            return handle
+        return _finish(handle)
+
+    def _layout(self, key, shape):
+        return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound)
+
+    @staticmethod
+    def _what(op, infos):
+        keys = [repr(i.key) for i in infos[:4]]
+        more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
+        return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
+
+    def _with_values(self, items):
+        """{server: (entries, payloads)} carrying each array's parts."""
+        per_server = collections.defaultdict(lambda: ([], []))
+        for info, array in items:
+            flat = array.reshape(-1)
+            for part in info.parts:
+                seg = flat[part.start:part.stop]
+                entries, payloads = per_server[part.server]
+                entries.append(Entry(info.key, part.index, dtype_code(info.dtype), part.shape(info.shape), seg.nbytes))
+                if seg.nbytes:
+                    payloads.append(_bytes(seg))
+        return per_server
+
+    def _bare(self, infos):
+        per_server = collections.defaultdict(lambda: ([], []))
+        for info in infos:
+            for part in info.parts:
+                per_server[part.server][0].append(Entry.bare(info.key, part.index, dtype_code(info.dtype),
+                                                             part.shape(info.shape)))
+        return per_server
+
+    def _filler(self, items):
+        """on_reply that copies VALUE payloads into the outs of [(KeyInfo, [Out])]."""
+        dests = collections.defaultdict(list)
+        for info, outs in items:
+            for part in info.parts:
+                for o in outs:
+                    dests[(info.key, part.index)].append((info, o.array.reshape(-1)[part.start:part.stop]))
+
+        def fill(header, payloads):
+            frames = iter(payloads)
+            for entry in header.keys:
+                frame = next(frames) if entry.nbytes else None
+                for info, dest in dests.get((entry.key, entry.part), ()):
+                    if entry.dtype != dtype_code(info.dtype) or int(np.prod(entry.shape)) != dest.size:
+                        raise ProtocolError(f"reply for key {entry.key!r} part {entry.part} is {entry.dtype.name} "
+                                            f"{entry.shape}; expected {info.dtype} with {dest.size} elements")
+                    if frame is not None:
+                        np.copyto(dest, as_array(frame, entry).reshape(-1))
+        return fill
+
+    # ---- the API ----
+    def init(self, key, value):
+        items = self._inits(key, value)
+        infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape)) for i, _ in items]
+        arrays = [a for _, a in items]
+        if self.rank == 0:
+            per_server = self._with_values(list(zip(infos, arrays)))
+        else:
+            per_server = self._bare(infos)
+        self._send(Op.INIT, self._what("init", infos), per_server, keep=arrays)
+        for info in infos:
+            self._keys[info.key] = info
+
+    def push(self, key, value, priority=0, async_op=False):
+        items = self._values(key, value, "push")
+        return self._send(Op.PUSH, self._what("push", [i for i, _ in items]), self._with_values(items),
+                          keep=[a for _, a in items], async_op=async_op)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
+        items = self._outs(key, out, "pull")
+        infos = [i for i, _ in items]
+        return self._send(Op.PULL, self._what("pull", infos), self._bare(infos), on_reply=self._filler(items),
+                          keep=items, async_op=async_op, then=_finishers(items))
+
+    def pushpull(self, key, value, out=None, priority=0, async_op=False):
+        values = self._values(key, value, "pushpull")
+        outs = self._outs(key, value if out is None else out, "pushpull")
+        return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), self._with_values(values),
+                          on_reply=self._filler(outs), keep=(values, outs), async_op=async_op,
+                          then=_finishers(outs))
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
+        items = self._outs(key, out, "row_sparse_pull")
+        ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")
+        per_server = collections.defaultdict(lambda: ([], []))
+        dests = {}
+        for (info, outs), ids in zip(items, ids_per_key):
+            for o in outs:
+                o.array[...] = 0
+            for part, local, positions in sharding.split_rows(info.parts, ids):
+                entries, payloads = per_server[part.server]
+                entries.append(Entry.of(info.key, part.index, local))
+                payloads.append(_bytes(local))
+                dests[(info.key, part.index)] = (info, outs, ids[positions])
+
+        def fill(header, payloads):
+            frames = iter(payloads)
+            for entry in header.keys:
+                frame = next(frames) if entry.nbytes else None
+                info, outs, rows = dests[(entry.key, entry.part)]
+                if entry.dtype != dtype_code(info.dtype) or tuple(entry.shape[1:]) != info.shape[1:] or \
+                        entry.shape[0] != rows.size:
+                    raise ProtocolError(f"row_sparse_pull reply for key {entry.key!r} is {entry.shape}; "
+                                        f"expected {rows.size} rows of {info.shape[1:]}")
+                if frame is not None:
+                    values = as_array(frame, entry)
+                    for o in outs:
+                        o.array[rows] = values
+        return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", [i for i, _ in items]), per_server,
+                          on_reply=fill, keep=(items, per_server), async_op=async_op, then=_finishers(items))
+
+    def set_optimizer(self, optimizer):
+        spec = optimizer.spec()
+        self._optimizer_generation += 1
+        meta = {"generation": self._optimizer_generation, "spec": spec}
+        per_server = {s: ([], []) for s in range(self._num_servers)}
+        handle = self._node.request_many(
+            [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in per_server],
+            f"set_optimizer({spec['name']})")
+        handle.wait()
+
+    def barrier(self):
+        self._node.barrier("workers")
+
+    def wait_all(self, timeout=None):
+        while self._pending:
+            _finish(self._pending.popleft(), timeout)
+
+    def server_stats(self):
+        """Each server's counters (pushes, pulls, rounds, kernel calls, ...), by server name."""
+        stats = {}
+
+        def keep(header, payloads):
+            stats[header.src] = header.meta
+        self._node.request_many([(f"S{s}", Header(Op.STATS), (), keep) for s in range(self._num_servers)],
+                                "server stats").wait()
+        return stats
+
+    def close(self):
+        """Wait for pending calls, tell the scheduler this worker is done, and stop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._node.failure is None:
+                self.wait_all()
+        finally:
+            try:
+                if self._node.failure is None:
+                    self._node.request(SCHEDULER, Header(Op.FINALIZE), what="leaving the job",
+                                       timeout=min(self.cfg.timeout, 30)).wait()
+            except KVPSError as exc:
+                log.warning("W%s: leaving the job: %s", self.rank, exc)
+            self._node.stop()
+
+
+def _finishers(items):
+    return [o.finish for _, outs in items for o in outs if o.copy_back]
+
+
+def _finish(handle, timeout=None):
+    return handle.wait(timeout)
+
+
+def _close_at_exit(ref):
+    close = ref()
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:   # at exit, report and go on
+            log.warning("closing the kvstore at exit: %s", exc)

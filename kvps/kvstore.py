@@ -1,0 +1,227 @@
+"""The kvstore API (MXNet's names and semantics) and `create`, which picks an implementation.
+
+    kv = kvps.create("dist_sync")         # local | dist_sync (dist) | dist_async
+    kv.init(3, np.zeros(10, np.float32))
+    kv.push(3, grad); kv.pull(3, out=weight)
+    kv.pushpull(3, grad)                  # out=None: the result goes into grad
+
+Calls are synchronous by default. With async_op=True they return a Handle at
+once; the caller must not change a pushed value or read an `out` until
+handle.wait() (or kv.wait_all()) returns. Calls on the same key keep their order.
+
+This module holds what every kvstore shares: argument normalisation and the
+checks of keys, shapes and dtypes against what init declared, so every kvstore
+reports bad input the same way before anything is sent.
+"""
+import abc
+import dataclasses
+
+import numpy as np
+
+from . import kernels
+from .arrays import Out, as_numpy, describe
+from .errors import KVKeyError
+
+TYPES = {
+    "local": "local", "device": "local",
+    "dist_sync": "sync", "dist": "sync", "dist_sync_device": "sync",
+    "dist_async": "async",
+}
+
+
+def create(name="local", **options):
+    """A kvstore of the given type; raises ValueError listing the valid types."""
+    if not isinstance(name, str) or name not in TYPES:
+        raise ValueError(f"unknown kvstore type {name!r}; valid types: {', '.join(TYPES)}")
+    if TYPES[name] == "local":
+        from .local import LocalKVStore
+        return LocalKVStore(name, **options)
+    from .dist import DistKVStore
+    return DistKVStore(name, TYPES[name], **options)
+
+
+def _check_key(key):
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(f"key {key!r} is a {type(key).__name__}; keys are int or str")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    key: object
+    dtype: np.dtype
+    shape: tuple
+    parts: tuple = ()          # sharding.Part, for dist kvstores
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+def pairs(keys, values, op, what="value"):
+    """[(key, [values])] from MXNet's call forms: one key with one value or a list of
+    values, or a list of keys with a list of values (each one value or a list)."""
+    if isinstance(keys, (list, tuple)):
+        if not isinstance(values, (list, tuple)) or len(keys) != len(values):
+            n = len(values) if isinstance(values, (list, tuple)) else 1
+            raise ValueError(f"{op} got {len(keys)} keys and {n} {what}s; give one {what} (or list) per key")
+        return [(_check_key(k), list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in zip(keys, values)]
+    return [(_check_key(keys), list(values) if isinstance(values, (list, tuple)) else [values])]
+
+
+class KVStore(abc.ABC):
+    """The interface every kvstore implements (parameter server now, ring all-reduce later)."""
+
+    def __init__(self, name):
+        self.type = name
+        self._keys = {}            # key -> KeyInfo
+
+    # ---- identity ----
+    @property
+    @abc.abstractmethod
+    def rank(self): ...
+
+    @property
+    @abc.abstractmethod
+    def num_workers(self): ...
+
+    @property
+    def num_servers(self):
+        return 0
+
+    # ---- collective and data calls ----
+    @abc.abstractmethod
+    def init(self, key, value):
+        """Declare keys and store rank 0's values; every worker waits until they are stored."""
+
+    @abc.abstractmethod
+    def push(self, key, value, priority=0, async_op=False):
+        """Push values (a list of values for one key is summed first)."""
+
+    @abc.abstractmethod
+    def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
+        """Pull the stored values into `out` (a list of outs for one key all get the value)."""
+
+    @abc.abstractmethod
+    def pushpull(self, key, value, out=None, priority=0, async_op=False):
+        """push then pull in one round trip; out=None writes the result into `value`."""
+
+    @abc.abstractmethod
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
+        """Pull only rows `row_ids` (any order, repeats allowed) of each key into `out`, which has
+        the key's full shape: the requested rows are filled, all others set to zero."""
+
+    @abc.abstractmethod
+    def set_optimizer(self, optimizer):
+        """Run `optimizer` (a kvps.optimizer.Optimizer) on the stored values at every push."""
+
+    @abc.abstractmethod
+    def barrier(self):
+        """Wait until every worker reaches the barrier."""
+
+    @abc.abstractmethod
+    def wait_all(self, timeout=None):
+        """Wait for every asynchronous call of this kvstore."""
+
+    def close(self):
+        """Finish: wait for pending calls and leave the job."""
+
+    def broadcast(self, key, value, out, priority=0):
+        """init(key, value) then pull(key, out): every worker ends with rank 0's value."""
+        self.init(key, value)
+        return self.pull(key, out=out, priority=priority)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<{type(self).__name__} type={self.type} rank={self.rank}/{self.num_workers}>"
+
+    # ---- shared checks ----
+    def _declare(self, key, array):
+        info = self._keys.get(key)
+        if info is not None:
+            raise KVKeyError(f"key {key!r} is already initialised (as {describe(info.dtype, info.shape)}); "
+                             f"init a key once")
+        return KeyInfo(key, array.dtype, array.shape)
+
+    def _inits(self, keys, values):
+        """[(KeyInfo, array)] for an init call, all checked before anything is stored."""
+        items, seen = [], set()
+        for key, vals in pairs(keys, values, "init"):
+            if len(vals) != 1:
+                raise ValueError(f"init of key {key!r} got {len(vals)} values; give one")
+            if key in seen:
+                raise ValueError(f"init got key {key!r} twice")
+            seen.add(key)
+            array = as_numpy(vals[0], f"init value for key {key!r}")
+            items.append((self._declare(key, array), array))
+        return items
+
+    def _info(self, key, op):
+        info = self._keys.get(key)
+        if info is None:
+            raise KVKeyError(f"{op} of key {key!r}, which was never initialised (call kv.init first)")
+        return info
+
+    def _check(self, info, array, op, what):
+        if array.dtype != info.dtype or array.shape != info.shape:
+            raise ValueError(f"key {info.key!r} was initialised as {describe(info.dtype, info.shape)}; "
+                             f"{op} got {what} {describe(array.dtype, array.shape)}")
+
+    def _values(self, keys, values, op):
+        """[(KeyInfo, array)], one merged array per key, every one checked before any is sent."""
+        items = []
+        for key, vals in pairs(keys, values, op):
+            info = self._info(key, op)
+            arrays = [as_numpy(v, f"{op} value for key {key!r}") for v in vals]
+            for a in arrays:
+                self._check(info, a, op, "a value of")
+            if len(arrays) == 1:
+                merged = arrays[0]
+            else:
+                merged = np.empty(info.shape, info.dtype)
+                kernels.sum_sources(merged.reshape(-1), [a.reshape(-1) for a in arrays])
+            items.append((info, merged))
+        return items
+
+    def _outs(self, keys, outs, op):
+        """[(KeyInfo, [Out])], every out checked before anything is sent."""
+        if outs is None:
+            raise ValueError(f"{op} needs out= (the arrays to write the values into)")
+        items = []
+        for key, targets in pairs(keys, outs, op, what="out"):
+            info = self._info(key, op)
+            wrapped = [Out(t, f"{op} out for key {key!r}") for t in targets]
+            for o in wrapped:
+                self._check(info, o.array, op, "out")
+            items.append((info, wrapped))
+        return items
+
+    def _row_ids(self, items, row_ids, op):
+        """One sorted, de-duplicated int64 row-id array per key, checked against its rows."""
+        if row_ids is None:
+            raise ValueError(f"{op} needs row_ids=")
+        if len(items) == 1 and not isinstance(row_ids, (list, tuple)) or \
+                (len(items) == 1 and isinstance(row_ids, (list, tuple)) and
+                 (len(row_ids) == 0 or not hasattr(row_ids[0], "__len__"))):
+            row_ids = [row_ids]
+        if len(row_ids) != len(items):
+            raise ValueError(f"{op} got {len(items)} keys and {len(row_ids)} row_ids arrays")
+        result = []
+        for (info, _), ids in zip(items, row_ids):
+            ids = as_numpy(ids, f"row_ids for key {info.key!r}") if not isinstance(ids, (list, tuple)) \
+                else np.asarray(ids, dtype=np.int64)
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"row_ids for key {info.key!r} are {ids.dtype}; they must be integers")
+            if not info.shape:
+                raise ValueError(f"key {info.key!r} is a scalar; {op} needs an array with rows")
+            ids = np.unique(ids.astype(np.int64).reshape(-1))
+            if ids.size and (ids[0] < 0 or ids[-1] >= info.shape[0]):
+                raise ValueError(f"row_ids for key {info.key!r} must lie in 0..{info.shape[0] - 1}; "
+                                 f"got {ids[0]}..{ids[-1]}")
+            result.append(ids)
+        return result
