@@ -13,3 +13,19 @@ __version__ = "0.1.0"
 
 __all__ = ["create", "KVStore", "optimizer", "KVPSError", "ConfigError", "ProtocolError", "KVTimeoutError",
            "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
+
+
+def _serve_mxnet_style():
+    """`DMLC_ROLE=server python -c "import kvps"` runs that daemon and exits, as `import mxnet`
+    does, so MXNet-style launch scripts start kvps jobs unchanged. `python -m kvps.server`
+    and the `kvps` command are left alone (sys.argv[0] is "-m" while -m imports packages)."""
+    import os
+    import sys
+    role = os.environ.get("DMLC_ROLE")
+    argv0 = sys.argv[0] if sys.argv else ""
+    if role in ("server", "scheduler") and argv0 != "-m" and os.path.basename(argv0) != "kvps":
+        from .cli import main
+        sys.exit(main([role]))
+
+
+_serve_mxnet_style()

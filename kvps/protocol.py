@@ -78,19 +78,21 @@ _NUMPY = {
     DType.UINT8: np.dtype(np.uint8),
 }
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items()}
+_BY_CODE = [_NUMPY[DType(i)] for i in range(len(DType))]   # indexed by plain int: no Enum hashing
 
 
 def numpy_dtype(code):
     try:
-        return _NUMPY[DType(code)]
-    except ValueError:
+        return _BY_CODE[code]
+    except (IndexError, TypeError):
         raise ProtocolError(f"unknown dtype code {code!r}") from None
 
 
 def dtype_code(dtype):
     """The DType of a numpy dtype; raises ValueError listing the supported ones."""
     try:
-        return _FROM_NUMPY[np.dtype(dtype)]
+        dtype = np.dtype(dtype)
+        return _FROM_NUMPY[dtype]
     except (KeyError, TypeError):
         names = ", ".join(str(d) for d in _NUMPY.values())
         raise ValueError(f"dtype {dtype} is not supported (supported: {names})") from None
@@ -123,12 +125,16 @@ class Entry(tuple):
 _FIELDS = ("v", "op", "id", "src", "keys", "meta")
 
 
+_OPS = Op._value2member_map_
+_DTYPES = DType._value2member_map_
+
+
 class Header:
     """A decoded message header; see the module docstring for the fields."""
     __slots__ = ("op", "id", "src", "keys", "meta")
 
     def __init__(self, op, id=0, src="?", keys=(), meta=None):
-        self.op = Op(op)
+        self.op = op if type(op) is Op else Op(op)
         self.id = id
         self.src = src
         self.keys = list(keys)
@@ -155,11 +161,6 @@ def _size(n):
     return f"{n}GB"
 
 
-def _require(cond, what):
-    if not cond:
-        raise ProtocolError(what)
-
-
 def decode(frame):
     """Decode and validate a header frame; raises ProtocolError naming the bad field."""
     try:
@@ -167,58 +168,76 @@ def decode(frame):
                               max_str_len=1 << 20, max_array_len=1 << 24, max_map_len=1 << 16)
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {exc})") from None
-    _require(isinstance(raw, dict), f"header is a {type(raw).__name__}, not a map")
+    if not (type(raw) is dict):
+        raise ProtocolError(f"header is a {type(raw).__name__}, not a map")
     version = raw.get("v")
     if version != VERSION:
         raise VersionMismatch(f"peer speaks kvps protocol version {version!r}, this node speaks {VERSION}")
-    _require(set(raw) == set(_FIELDS), f"header fields {sorted(map(str, raw))} are not {list(_FIELDS)}")
-    op = raw["op"]
-    _require(isinstance(op, int) and op in Op._value2member_map_, f"unknown op {op!r}")
-    _require(isinstance(raw["id"], int), f"id {raw['id']!r} is not an int")
-    _require(isinstance(raw["src"], str), f"src {raw['src']!r} is not a str")
-    _require(isinstance(raw["meta"], dict), f"meta is a {type(raw['meta']).__name__}, not a map")
-    _require(isinstance(raw["keys"], list), "keys is not a list")
-    keys = [_entry(e) for e in raw["keys"]]
-    return Header(op, raw["id"], raw["src"], keys, raw["meta"])
+    try:
+        op, request_id, src, keys, meta = raw["op"], raw["id"], raw["src"], raw["keys"], raw["meta"]
+    except KeyError:
+        op = None
+    if not (op is not None and len(raw) == len(_FIELDS)):
+        raise ProtocolError(f"header fields {sorted(map(str, raw))} are not {list(_FIELDS)}")
+    if not (type(op) is int and op in _OPS):
+        raise ProtocolError(f"unknown op {op!r}")
+    if not (type(request_id) is int):
+        raise ProtocolError(f"id {request_id!r} is not an int")
+    if not (type(src) is str):
+        raise ProtocolError(f"src {src!r} is not a str")
+    if not (type(meta) is dict):
+        raise ProtocolError(f"meta is a {type(meta).__name__}, not a map")
+    if not (type(keys) is list):
+        raise ProtocolError("keys is not a list")
+    return Header(_OPS[op], request_id, src, [_entry(e) for e in keys], meta)
 
 
 def _entry(e):
-    _require(isinstance(e, list) and len(e) == 5, f"entry {e!r} is not [key, part, dtype, shape, nbytes]")
+    if not (type(e) is list and len(e) == 5):
+        raise ProtocolError(f"entry {e!r} is not [key, part, dtype, shape, nbytes]")
     key, part, dtype, shape, nbytes = e
-    _require(isinstance(key, (int, str)) and not isinstance(key, bool), f"key {key!r} is not an int or str")
-    _require(isinstance(part, int) and part >= 0, f"part {part!r} of key {key!r} is not a part index")
-    _require(isinstance(dtype, int) and dtype in DType._value2member_map_, f"dtype {dtype!r} of key {key!r} is unknown")
-    _require(isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
-             f"shape {shape!r} of key {key!r} is not a list of sizes")
-    _require(isinstance(nbytes, int) and nbytes >= 0, f"nbytes {nbytes!r} of key {key!r} is not a size")
-    return Entry(key, part, DType(dtype), shape, nbytes)
+    if not (type(key) is int or type(key) is str):
+        raise ProtocolError(f"key {key!r} is not an int or str")
+    if not (type(part) is int and part >= 0):
+        raise ProtocolError(f"part {part!r} of key {key!r} is not a part index")
+    if not (type(dtype) is int and 0 <= dtype < len(_BY_CODE)):
+        raise ProtocolError(f"dtype {dtype!r} of key {key!r} is unknown")
+    if not (type(shape) is list and all(type(d) is int and d >= 0 for d in shape)):
+        raise ProtocolError(f"shape {shape!r} of key {key!r} is not a list of sizes")
+    if not (type(nbytes) is int and nbytes >= 0):
+        raise ProtocolError(f"nbytes {nbytes!r} of key {key!r} is not a size")
+    return tuple.__new__(Entry, (key, part, dtype, tuple(shape), nbytes))
 
 
 def unpack(frames):
     """Split a received multipart message into (Header, payload frames) and check the payload sizes."""
-    _require(len(frames) >= 1, "empty message")
-    header = decode(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+    if not (len(frames) >= 1):
+        raise ProtocolError("empty message")
+    first = frames[0]
+    header = decode(first.buffer if hasattr(first, "buffer") else first)
     payloads = frames[1:]
-    want = header.payload_count()
-    _require(len(payloads) == want, f"{header.op.name} declares {want} payload frames, carries {len(payloads)}")
-    carrying = (e for e in header.keys if e.nbytes > 0)
+    carrying = [e for e in header.keys if e[4] > 0]
+    want = len(carrying)
+    if not (len(payloads) == want):
+        raise ProtocolError(f"{header.op.name} declares {want} payload frames, carries {len(payloads)}")
     for entry, frame in zip(carrying, payloads):
-        got = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
-        _require(got == entry.nbytes, f"payload of key {entry.key!r} part {entry.part} has {got} bytes, "
-                                      f"header says {entry.nbytes}")
+        got = len(frame)
+        if not (got == entry.nbytes):
+            raise ProtocolError(f"payload of key {entry.key!r} part {entry.part} has {got} bytes, "
+                                          f"header says {entry.nbytes}")
         count = 1
         for d in entry.shape:
             count *= d
-        _require(count * numpy_dtype(entry.dtype).itemsize == entry.nbytes,
-                 f"payload of key {entry.key!r} part {entry.part} has {entry.nbytes} bytes, "
-                 f"but {numpy_dtype(entry.dtype)} {entry.shape} needs {count * numpy_dtype(entry.dtype).itemsize}")
+        if not (count * _BY_CODE[entry.dtype].itemsize == entry.nbytes):
+            raise ProtocolError(f"payload of key {entry.key!r} part {entry.part} has {entry.nbytes} bytes, "
+                     f"but {_BY_CODE[entry.dtype]} {entry.shape} needs {count * _BY_CODE[entry.dtype].itemsize}")
     return header, payloads
 
 
 def as_array(frame, entry):
     """A read-only numpy view of a payload frame (no copy)."""
     buf = frame.buffer if hasattr(frame, "buffer") else frame
-    return np.frombuffer(buf, dtype=numpy_dtype(entry.dtype)).reshape(entry.shape)
+    return np.frombuffer(buf, dtype=_BY_CODE[entry.dtype]).reshape(entry.shape)
 
 
 def error_header(request_id, src, kind, message):

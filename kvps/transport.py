@@ -115,6 +115,8 @@ class Van:
     # ---- I/O thread ----
     def _submit(self, item):
         self._queue.append(item)
+        if threading.current_thread() is self._thread:
+            return      # the I/O thread flushes its queue before it polls again
         if not self._woken:
             self._woken = True
             try:
@@ -204,10 +206,9 @@ class Van:
     def _drain(self, sock):
         from_router = sock is self._router
         for _ in range(256):   # bounded so one busy peer cannot starve the rest
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+            frames = sock.recv_multipart(copy=False)
             if from_router:
                 source = ("client", frames[0].bytes)
                 frames = frames[1:]

@@ -21,6 +21,8 @@ from .updaters import Registry
 
 log = logging.getLogger("kvps.server")
 
+MAX_EARLY = 10_000      # requests held until the job forms; more means a peer misbehaves
+
 
 class Reply:
     """Collects the per-entry results of one request and sends one reply when all are in."""
@@ -75,6 +77,7 @@ class Server(Node):
         self.host = advertised_host(cfg)
         self.van.bind(self.host, cfg.port)
         self.store = None
+        self.early = []                         # requests that came before the membership table
         self.optimizer = (0, None)              # (generation, spec)
         self.exit_code = None
         self._done = threading.Event()
@@ -88,6 +91,10 @@ class Server(Node):
     # ---- node hooks (I/O thread) ----
     def on_membership(self, meta):
         self.store = Store(len(meta["workers"]), meta["mode"], sent_timeout=self.cfg.timeout)
+        # Workers get the table at the same moment we do and may already have sent requests.
+        early, self.early = self.early, []
+        for request in early:
+            self.on_client(*request)
 
     def on_shutdown(self):
         log.info("%s: shutdown", self.name)
@@ -120,7 +127,10 @@ class Server(Node):
             return self.reply_error(routing_id, header, ProtocolError(f"a server does not handle {header.op.name}"))
         try:
             if self.store is None:
-                raise NodeFailure(f"{header.op.name} reached a server before the job formed")
+                if len(self.early) >= MAX_EARLY:
+                    raise NodeFailure(f"{header.op.name} reached a server before the job formed")
+                self.early.append((routing_id, header, payloads))
+                return
             worker = self._worker(header.src)
             handler(self, routing_id, header, payloads, worker)
         except Exception as exc:

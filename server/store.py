@@ -147,6 +147,28 @@ class Store:
     def _close_round(self, slot):
         pending, acks = slot.pending, slot.acks
         slot.pending, slot.acks, slot.in_round = [], [], set()
+        try:
+            self._merge(slot, pending)
+        except Exception as exc:
+            # Every worker in the round hears of the failure; none waits for a reply that never comes.
+            log.exception("%s: applying a round failed", slot.name())
+            slot.rounds += 1
+            for ack in acks:
+                ack(exc)
+            waiters, slot.pull_waiters = slot.pull_waiters, []
+            for _, done, _ in waiters:
+                done(exc)
+            return
+        slot.rounds += 1
+        self.stats["rounds"] += 1
+        for ack in acks:
+            ack(None)
+        self._release_pulls(slot)
+        early, slot.early = slot.early, []
+        for worker, array, done in early:
+            self._enter(slot, worker, array, done)
+
+    def _merge(self, slot, pending):
         if self.updater is not None:
             slot.merge = self._sum(slot, pending, slot.merge)
             self._apply(slot, slot.merge)
@@ -158,14 +180,6 @@ class Store:
             # A reply is still being sent from the old value: leave it to zmq, sum into fresh memory.
             slot.merge, slot.value = None, self._sum(slot, pending, None)
             slot.sent = []
-        slot.rounds += 1
-        self.stats["rounds"] += 1
-        for ack in acks:
-            ack(None)
-        self._release_pulls(slot)
-        early, slot.early = slot.early, []
-        for worker, array, done in early:
-            self._enter(slot, worker, array, done)
 
     def _sum(self, slot, arrays, target):
         if target is None or target.shape != slot.shape:
