@@ -1,0 +1,202 @@
+"""The kvstore API's semantics: the local kvstore (in process), torch tensors, handles,
+row-sparse pulls and deadlines on a real job, and the server-side optimizers' formulas."""
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvps
+from kvps.errors import KVKeyError
+
+
+def test_local_push_sums_a_list_and_replaces():
+    kv = kvps.create("local")
+    kv.init(3, np.ones(4, np.float32))
+    out = np.zeros(4, np.float32)
+    kv.pull(3, out=out)
+    assert out.tolist() == [1.0] * 4                         # pull before push: the init value
+    kv.push(3, [np.full(4, 2, np.float32), np.full(4, 5, np.float32)])
+    outs = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    kv.pull(3, out=outs)
+    assert [o.tolist() for o in outs] == [[7.0] * 4] * 2     # replaced by the sum, not accumulated
+    value = np.full(4, 3, np.float32)
+    kv.pushpull(3, value)                                    # out=None: result lands in value
+    assert value.tolist() == [3.0] * 4
+    kv.broadcast("b", np.arange(3, dtype=np.int64), out=(o := np.zeros(3, np.int64)))
+    assert o.tolist() == [0, 1, 2]
+    with pytest.raises(KVKeyError, match="already initialised"):
+        kv.init(3, np.ones(4, np.float32))
+
+
+def test_local_row_sparse_pull_fills_rows_and_zeroes_the_rest():
+    kv = kvps.create("local")
+    table = np.arange(20, dtype=np.float32).reshape(10, 2)
+    kv.init("emb", table)
+    out = np.full((10, 2), -1, np.float32)
+    kv.row_sparse_pull("emb", out=out, row_ids=np.array([7, 1, 7, 1]))
+    expect = np.zeros((10, 2), np.float32)
+    expect[[1, 7]] = table[[1, 7]]
+    assert (out == expect).all()
+
+
+# Server-side optimizers against MXNet's formulas written out here (docs/optimizers.md).
+def _mx(name, w, grads, p):
+    w = w.astype(np.float64).copy()
+    s1, s2 = np.zeros_like(w), np.zeros_like(w)
+    for t, g in enumerate(grads, 1):
+        g = g.astype(np.float64) * p.get("rescale_grad", 1.0)
+        clip = p.get("clip_gradient")
+        lr, wd = p["learning_rate"], p.get("wd", 0.0)
+        if name == "sgd":
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = p["momentum"] * s1 - lr * (g + wd * w)
+            w = w + s1
+        elif name == "nag":
+            # MXNet 1.9's in-place nag_mom_update: the momentum update reads the new weight
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            m1 = p["momentum"] * s1
+            w = (w - m1) + (p["momentum"] + 1) * (m1 - lr * (g + wd * w))
+            s1 = m1 - lr * (g + wd * w)
+        elif name in ("adam", "adamw"):
+            b1, b2, eps = p["beta1"], p["beta2"], p["epsilon"]
+            if name == "adam":
+                g = g + wd * w
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = b1 * s1 + (1 - b1) * g
+            s2 = b2 * s2 + (1 - b2) * g * g
+            lr_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+            if name == "adam":
+                w = w - lr_t * s1 / (np.sqrt(s2) + eps)
+            else:
+                w = w - (lr_t * s1 / (np.sqrt(s2) + eps) + wd * w)
+        elif name == "adagrad":
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = s1 + g * g
+            w = w - lr * (g / np.sqrt(s1 + p["epsilon"]) + wd * w)
+        elif name == "rmsprop":
+            g = g + wd * w
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = p["gamma1"] * s1 + (1 - p["gamma1"]) * g * g
+            w = w - lr * g / np.sqrt(s1 + p["epsilon"])
+    return w
+
+
+OPTIMIZERS = [
+    kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5, clip_gradient=0.4),
+    kvps.optimizer.NAG(learning_rate=0.1, momentum=0.9, wd=0.01),
+    kvps.optimizer.Adam(learning_rate=0.01, wd=0.001, clip_gradient=1.0),
+    kvps.optimizer.AdamW(learning_rate=0.01, wd=0.01),
+    kvps.optimizer.AdaGrad(learning_rate=0.1, wd=0.001),
+    kvps.optimizer.RMSProp(learning_rate=0.01, wd=0.001, rescale_grad=2.0),
+]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_server_optimizers_follow_mxnet_formulas(opt):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(257).astype(np.float32)
+    grads = [rng.standard_normal(257).astype(np.float32) for _ in range(5)]
+    kv = kvps.create("local")
+    kv.init("w", w0)
+    kv.set_optimizer(opt)
+    for g in grads:
+        kv.push("w", g)
+    out = np.zeros_like(w0)
+    kv.pull("w", out=out)
+    np.testing.assert_allclose(out, _mx(opt.name, w0, grads, opt.params), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
+def test_optimizer_on_low_and_high_precision_keys(dtype):
+    """float16/bfloat16 keys keep a float32 master copy; float64 keys update at float64."""
+    kv = kvps.create("local")
+    kv.init("w", np.ones(64, dtype))
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.001))
+    for _ in range(10):
+        kv.push("w", np.ones(64, dtype))
+    out = np.zeros(64, dtype)
+    kv.pull("w", out=out)
+    # 10 steps of 0.001: a float16 weight updated in place would stall at 1.0 (its spacing is 0.001)
+    np.testing.assert_allclose(out.astype(np.float64), 0.99, rtol=1e-2 if dtype != np.float64 else 1e-12)
+
+
+def test_optimizer_refuses_integer_keys():
+    kv = kvps.create("local")
+    kv.init("i", np.ones(4, np.int32))
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=1.0))
+    with pytest.raises(ValueError, match="key 'i' is int32: an optimizer needs a floating-point key"):
+        kv.push("i", np.ones(4, np.int32))
+
+
+TORCH = r'''
+import json, torch, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+kv.init(["f32", "bf16", "f16", "i64"], [torch.ones(4, 3), torch.ones(700, 3, dtype=torch.bfloat16),
+                                        torch.ones(5, dtype=torch.float16), torch.ones(6, dtype=torch.int64)])
+vals = [torch.full((4, 3), r + 1.0), torch.full((700, 3), r + 1.0, dtype=torch.bfloat16),
+        torch.full((5,), r + 1.0, dtype=torch.float16), torch.full((6,), r + 1, dtype=torch.int64)]
+kv.pushpull(["f32", "bf16", "f16", "i64"], vals)        # out=None: results land in vals
+outs = [torch.zeros(3, 4).t(), torch.zeros(700, 3, dtype=torch.bfloat16)]   # a non-contiguous out
+kv.pull("bf16", out=outs[1])
+nc = torch.zeros(3, 4).t()
+try:
+    kv.pull("f32", out=nc)
+    nc_ok = "ok"
+except ValueError as e:
+    nc_ok = str(e)
+print(json.dumps({"vals": [[float(v.min()), float(v.max())] for v in vals],
+                  "bf16": [float(outs[1].min()), float(outs[1].max())], "nc": nc_ok,
+                  "nc_value": [float(nc.min()), float(nc.max())]}), flush=True)
+'''
+
+
+def test_torch_tensors_every_dtype(cluster):
+    c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "1000"})
+    results = c.run_workers(TORCH, timeout=90)
+    for (line,) in results:
+        assert line["vals"] == [[3.0, 3.0]] * 4
+        assert line["bf16"] == [3.0, 3.0]
+        # a transposed view has the key's shape (4, 3): filled through a copy
+        assert line["nc"] == "ok" and line["nc_value"] == [3.0, 3.0]
+
+
+HANDLES = r'''
+import json, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+keys = list(range(20))
+kv.init(keys, [np.zeros(1000, np.float32) for _ in keys])
+hs = [kv.push(k, np.full(1000, r + 1, np.float32), async_op=True) for k in keys]
+outs = [np.zeros(1000, np.float32) for _ in keys]
+hp = kv.pull(keys, out=outs, async_op=True)    # queued behind this worker's pushes on each key
+hp.wait(30)
+kv.wait_all()
+ok = all(h.done() for h in hs) and all(float(o.min()) == 3.0 for o in outs)
+# the emb table is split over both servers; rows from both parts, repeated and unsorted
+table = np.arange(3000, dtype=np.float32).reshape(1000, 3)
+kv.init("emb", table)
+out = np.full((1000, 3), -1, np.float32)
+kv.row_sparse_pull("emb", out=out, row_ids=np.array([999, 3, 500, 3, 0]))
+rows = sorted(int(i) for i in np.flatnonzero(out.any(axis=1) | (np.arange(1000) == 0)))
+rs_ok = rows == [0, 3, 500, 999] and bool((out[[3, 500, 999]] == table[[3, 500, 999]]).all())
+# a barrier that the other worker never reaches times out, naming what it waited for
+timeout = None
+if r == 0:
+    try:
+        kv._node.barrier("workers", timeout=1.0)
+    except kvps.KVTimeoutError as e:
+        timeout = str(e)
+print(json.dumps({"ok": ok, "rs": rs_ok, "timeout": timeout}), flush=True)
+if r == 1:
+    time.sleep(2)
+'''
+
+
+def test_async_handles_row_sparse_and_deadlines(cluster):
+    c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "1000"})
+    results = c.run_workers(HANDLES, timeout=90)
+    for rank, (line,) in enumerate(results):
+        assert line["ok"] and line["rs"], line
+    assert "waiting at a barrier of workers: no reply from H within 1 s" in results[0][0]["timeout"]
