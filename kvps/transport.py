@@ -27,6 +27,10 @@ log = logging.getLogger("kvps.transport")
 # Replies this big are sent with a tracker so the store can tell when zmq has
 # finished reading an array it is about to change in place.
 TRACK_BYTES = 1 << 16
+# pyzmq's constants are enums; plain ints keep the hot path free of enum arithmetic.
+POLLIN, EVENTS, SNDMORE = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.SNDMORE)
+# Frames smaller than this are copied on send: cheaper than zero-copy bookkeeping.
+COPY_BYTES = 1 << 16
 
 
 class Van:
@@ -166,7 +170,7 @@ class Van:
                 if sock is None:
                     log.error("%s: no connection to %s; message dropped", self.name, item[1])
                     continue
-                sock.send_multipart(item[2], copy=False)
+                _send(sock, item[2])
             elif kind == "reply":
                 self._reply_now(*item[1:])
             elif kind == "connect":
@@ -184,7 +188,7 @@ class Van:
                 tracker = self._router.send_multipart([routing_id, *frames], copy=False, track=True)
                 on_tracker(tracker)
             else:
-                self._router.send_multipart([routing_id, *frames], copy=False)
+                _send(self._router, [routing_id, *frames])
         except zmq.ZMQError as exc:
             log.warning("%s: reply to a client that went away dropped (%s)", self.name, exc)
 
@@ -206,7 +210,7 @@ class Van:
     def _drain(self, sock):
         from_router = sock is self._router
         for _ in range(256):   # bounded so one busy peer cannot starve the rest
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not sock.getsockopt(EVENTS) & POLLIN:
                 return
             frames = sock.recv_multipart(copy=False)
             if from_router:
@@ -247,6 +251,17 @@ class Van:
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def _send(sock, frames):
+    """Send a multipart message: small frames are copied (pyzmq's fast path), big ones are not."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = SNDMORE if i < last else 0
+        if isinstance(frame, bytes) or memoryview(frame).nbytes < COPY_BYTES:
+            sock.send(frame, flags, copy=True)
+        else:
+            sock.send(frame, flags, copy=False)
 
 
 def _show(source):
