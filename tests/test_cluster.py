@@ -90,3 +90,46 @@ def test_server_sgd_closed_form(cluster, kvtype, workers, servers):
             i = 3 if line["round"] == "end" else line["round"]
             assert line["w"] == [1 + i * step] * 2, line
             assert line["big"] == [1 + i * step] * 2, line
+
+
+ORDER = r'''
+import json, os, numpy as np, kvps
+kv = kvps.create("dist_sync")
+names = ["layer.%d" % i for i in range(6)]
+if kv.rank == 1:
+    names = names[::-1]                  # the other worker inits the same str keys in reverse order
+for n in names:
+    kv.init(n, np.full(3, int(n.split(".")[1]), np.float32))
+out = {}
+for n in sorted(names):
+    o = np.zeros(3, np.float32)
+    kv.pull(n, out=o)
+    out[n] = o.tolist()
+big = np.zeros(1_000_000, np.float32)    # default KVPS_BIGARRAY_BOUND: split over both servers
+kv.init("big", big)
+kv.pushpull("big", np.full(1_000_000, kv.rank + 1, np.float32), out=big)
+print(json.dumps({"values": out, "big": [float(big.min()), float(big.max())]}), flush=True)
+print(json.dumps({"stats": kv.server_stats()}), flush=True)
+'''
+
+
+def test_str_keys_agree_whatever_the_init_order_and_default_split(cluster):
+    c = cluster(2, 2)
+    results = c.run_workers(ORDER)
+    for lines in results:
+        assert lines[0]["values"] == {f"layer.{i}": [float(i)] * 3 for i in range(6)}
+        assert lines[0]["big"] == [3.0, 3.0]
+        stats = lines[1]["stats"]
+        # the 1M-element key was split: both servers took part in its round
+        assert sorted(stats) == ["S0", "S1"] and all(s["rounds"] >= 1 for s in stats.values())
+        assert sum(s["bytes_in"] for s in stats.values()) >= 2 * 4_000_000
+
+
+def test_daemons_never_import_torch():
+    import subprocess
+    import sys
+    code = ("import sys, kvps, kvps.server.server, kvps.server.store, kvps.scheduler, kvps.kernels\n"
+            "import numpy as np\n"
+            "kvps.kernels.sum_into(np.ones(4, np.float32), np.ones(4, np.float32))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
