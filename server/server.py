@@ -196,20 +196,10 @@ class Server(Node):
 
     def _row_sparse_pull(self, routing_id, header, payloads, worker):
         entries = self._arrays(header, payloads, need=True)
-        rows = []
         for e, ids in entries:
-            slot = self.store.slot(e.key, e.part)
-            if ids.dtype != np.int64 or ids.ndim != 1:
-                raise KVValueError(f"row ids for key {e.key!r} must be a 1-D int64 array, got {ids.dtype} {ids.shape}")
-            if not slot.shape:
-                raise KVValueError(f"key {e.key!r} is a scalar; row_sparse_pull needs rows")
-            limit = slot.shape[0]
-            if ids.size and (ids.min() < 0 or ids.max() >= limit):
-                raise KVValueError(f"key {e.key!r} part {e.part} holds {limit} rows; row ids "
-                                   f"{int(ids.min())}..{int(ids.max())} are out of range")
-            rows.append(ids)
+            self.store.check_rows(self.store.slot(e.key, e.part), ids)
         reply = Reply(self, routing_id, header, len(entries), values=True)
-        for i, ((e, _), ids) in enumerate(zip(entries, rows)):
+        for i, (e, ids) in enumerate(entries):
             self.store.pull(worker, e.key, e.part, reply.callback(i), rows=ids)
 
     def _set_optimizer(self, routing_id, header, payloads, worker):

@@ -90,6 +90,16 @@ class Store:
                                f"got {_show(dtype, shape)}")
         return slot
 
+    def check_rows(self, slot, rows):
+        """Raise KVValueError unless `rows` is a 1-D int64 array of row ids within the slot."""
+        if rows.dtype != np.int64 or rows.ndim != 1:
+            raise KVValueError(f"row ids for {slot.name()} must be a 1-D int64 array, got {rows.dtype} {rows.shape}")
+        if not slot.shape:
+            raise KVValueError(f"{slot.name()} is a scalar; a row-sparse pull needs rows")
+        if rows.size and (rows.min() < 0 or rows.max() >= slot.shape[0]):
+            raise KVValueError(f"{slot.name()} holds {slot.shape[0]} rows; row ids "
+                               f"{int(rows.min())}..{int(rows.max())} are out of range")
+
     # ---- operations ----
     def init(self, worker, key, part, dtype, shape, array, done):
         """Rank 0 passes the value; other workers pass array=None and wait until it is stored."""
@@ -205,10 +215,7 @@ class Store:
         are applied. The array may be sent without copying: see `sent`."""
         slot = self.slot(key, part)
         if rows is not None:
-            rows = np.asarray(rows)
-            if rows.size and (rows.min() < 0 or rows.max() >= (slot.shape[0] if slot.shape else 1)):
-                raise KVValueError(f"{slot.name()} has {slot.shape[0] if slot.shape else 1} rows; "
-                                   f"row ids {rows.min()}..{rows.max()} are out of range")
+            self.check_rows(slot, rows)
         self.stats["pulls"] += 1
         if self.mode == "sync" and slot.pushes.get(worker, 0) > slot.rounds:
             slot.pull_waiters.append((worker, done, rows))

@@ -83,22 +83,21 @@ class NAGRule(SGDRule):
 class AdamRule(UpdateRule):
     name, defaults, state_count = Adam.name, Adam.defaults, 2
 
-    def apply(self, weight, grad, state, count):
-        p = self.params
-        # MXNet's Adam folds the bias corrections into the learning rate.
-        lr = p["learning_rate"] * math.sqrt(1 - p["beta2"] ** count) / (1 - p["beta1"] ** count)
-        _ops(weight).adam_update(weight, grad, state[0], state[1], lr=lr, beta1=p["beta1"], beta2=p["beta2"],
-                                 epsilon=p["epsilon"], **self.common())
-
-
-class AdamWRule(UpdateRule):
-    name, defaults, state_count = AdamW.name, AdamW.defaults, 2
-
-    def apply(self, weight, grad, state, count):
+    def moments(self, count):
+        """Step arguments shared by Adam and AdamW; MXNet folds the bias corrections into lr."""
         p = self.params
         lr = p["learning_rate"] * math.sqrt(1 - p["beta2"] ** count) / (1 - p["beta1"] ** count)
-        _ops(weight).adamw_update(weight, grad, state[0], state[1], lr=lr, beta1=p["beta1"], beta2=p["beta2"],
-                                  epsilon=p["epsilon"], eta=p["eta"], **self.common())
+        return dict(lr=lr, beta1=p["beta1"], beta2=p["beta2"], epsilon=p["epsilon"], **self.common())
+
+    def apply(self, weight, grad, state, count):
+        _ops(weight).adam_update(weight, grad, state[0], state[1], **self.moments(count))
+
+
+class AdamWRule(AdamRule):
+    name, defaults = AdamW.name, AdamW.defaults
+
+    def apply(self, weight, grad, state, count):
+        _ops(weight).adamw_update(weight, grad, state[0], state[1], eta=self.params["eta"], **self.moments(count))
 
 
 class AdaGradRule(UpdateRule):
