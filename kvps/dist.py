@@ -28,6 +28,29 @@ def _bytes(array):
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
+class Messages:
+    """A call's requests: per server, entries gathered into messages of about `limit` bytes, so a
+    server can work on (and answer) the first ones while the rest are still on the wire."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self._open = {}              # server -> [entries, payloads, bytes]
+        self._all = []               # (server, message) in the order they were opened
+
+    def add(self, server, entry, payload, size):
+        message = self._open.get(server)
+        if message is None or (message[2] and message[2] + size > self.limit):
+            message = self._open[server] = [[], [], 0]
+            self._all.append((server, message))
+        message[0].append(entry)
+        if payload is not None:
+            message[1].append(payload)
+        message[2] += size
+
+    def __iter__(self):
+        return ((server, entries, payloads) for server, (entries, payloads, _) in self._all)
+
+
 class Worker(Node):
     """The worker's node: connects to every server once the job has formed."""
 
@@ -56,12 +79,12 @@ class DistKVStore(KVStore):
     num_servers = property(lambda self: self._num_servers)
 
     # ---- plumbing ----
-    def _send(self, op, what, per_server, on_reply=None, keep=(), async_op=False, then=()):
-        """Send one request per server {server: (entries, payloads)}; returns the Handle."""
+    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=()):
+        """Send the requests of a Messages batch under one Handle; returns it."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
         items = [(f"S{server}", Header(op, keys=entries), payloads, on_reply)
-                 for server, (entries, payloads) in sorted(per_server.items())]
+                 for server, entries, payloads in messages]
         handle = self._node.request_many(items, what, keep=keep)
         handle.then = then
         if async_op:
@@ -79,25 +102,26 @@ class DistKVStore(KVStore):
         return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
 
     def _with_values(self, items):
-        """{server: (entries, payloads)} carrying each array's parts."""
-        per_server = collections.defaultdict(lambda: ([], []))
+        """Messages carrying each array's parts."""
+        messages = Messages(self.cfg.message_bytes)
         for info, array in items:
             flat = array.reshape(-1)
+            code = dtype_code(info.dtype)
             for part in info.parts:
                 seg = flat[part.start:part.stop]
-                entries, payloads = per_server[part.server]
-                entries.append(Entry(info.key, part.index, dtype_code(info.dtype), part.shape(info.shape), seg.nbytes))
-                if seg.nbytes:
-                    payloads.append(_bytes(seg))
-        return per_server
+                messages.add(part.server, Entry(info.key, part.index, code, part.shape(info.shape), seg.nbytes),
+                             _bytes(seg) if seg.nbytes else None, seg.nbytes)
+        return messages
 
     def _bare(self, infos):
-        per_server = collections.defaultdict(lambda: ([], []))
+        """Messages asking for each key's parts (sized by what the replies will carry)."""
+        messages = Messages(self.cfg.message_bytes)
         for info in infos:
+            code = dtype_code(info.dtype)
             for part in info.parts:
-                per_server[part.server][0].append(Entry.bare(info.key, part.index, dtype_code(info.dtype),
-                                                             part.shape(info.shape)))
-        return per_server
+                messages.add(part.server, Entry.bare(info.key, part.index, code, part.shape(info.shape)), None,
+                             part.size * info.dtype.itemsize)
+        return messages
 
     def _filler(self, items):
         """on_reply that copies VALUE payloads into the outs of [(KeyInfo, [Out])]."""
@@ -124,11 +148,8 @@ class DistKVStore(KVStore):
         items = self._inits(key, value)
         infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape)) for i, _ in items]
         arrays = [a for _, a in items]
-        if self.rank == 0:
-            per_server = self._with_values(list(zip(infos, arrays)))
-        else:
-            per_server = self._bare(infos)
-        self._send(Op.INIT, self._what("init", infos), per_server, keep=arrays)
+        messages = self._with_values(list(zip(infos, arrays))) if self.rank == 0 else self._bare(infos)
+        self._send(Op.INIT, self._what("init", infos), messages, keep=arrays)
         for info in infos:
             self._keys[info.key] = info
 
@@ -153,15 +174,14 @@ class DistKVStore(KVStore):
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
         items = self._outs(key, out, "row_sparse_pull")
         ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")
-        per_server = collections.defaultdict(lambda: ([], []))
+        messages = Messages(self.cfg.message_bytes)
         dests = {}
         for (info, outs), ids in zip(items, ids_per_key):
             for o in outs:
                 o.array[...] = 0
             for part, local, positions in sharding.split_rows(info.parts, ids):
-                entries, payloads = per_server[part.server]
-                entries.append(Entry.of(info.key, part.index, local))
-                payloads.append(_bytes(local))
+                messages.add(part.server, Entry.of(info.key, part.index, local), _bytes(local),
+                             local.size * part.row_size * info.dtype.itemsize)
                 dests[(info.key, part.index)] = (info, outs, ids[positions])
 
         def fill(header, payloads):
@@ -177,16 +197,15 @@ class DistKVStore(KVStore):
                     values = as_array(frame, entry)
                     for o in outs:
                         o.array[rows] = values
-        return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", [i for i, _ in items]), per_server,
-                          on_reply=fill, keep=(items, per_server), async_op=async_op, then=_finishers(items))
+        return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", [i for i, _ in items]), messages,
+                          on_reply=fill, keep=(items, messages), async_op=async_op, then=_finishers(items))
 
     def set_optimizer(self, optimizer):
         spec = optimizer.spec()
         self._optimizer_generation += 1
         meta = {"generation": self._optimizer_generation, "spec": spec}
-        per_server = {s: ([], []) for s in range(self._num_servers)}
         handle = self._node.request_many(
-            [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in per_server],
+            [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in range(self._num_servers)],
             f"set_optimizer({spec['name']})")
         handle.wait()
 

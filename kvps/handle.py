@@ -21,7 +21,9 @@ class Handle:
         self._keep = keep               # buffers zmq may still read
         self._waiting = {}              # request id -> peer name
         self._error = None
-        self._event = threading.Event()
+        self._finished = False
+        self._gate = threading.Lock()   # held until the handle completes (lighter than an Event)
+        self._gate.acquire()
         self._lock = threading.Lock()
         self._armed = False
         self.then = ()                  # callables run once, on the waiting thread, after success
@@ -29,21 +31,29 @@ class Handle:
     @classmethod
     def completed(cls, what):
         handle = cls(what, 0)
-        handle._event.set()
+        handle._complete()
         return handle
 
     def done(self):
-        return self._event.is_set()
+        return self._finished
+
+    def _complete(self):
+        """Mark done and wake the waiters (call with self._lock held, or before sharing)."""
+        if not self._finished:
+            self._finished = True
+            self._gate.release()
 
     def wait(self, timeout=None):
         """Block until done; raises the call's error, or KVTimeoutError after `timeout` seconds
         (default KVPS_TIMEOUT)."""
         timeout = self._timeout if timeout is None else timeout
-        if not self._event.wait(timeout):
-            with self._lock:
-                peers = sorted(set(self._waiting.values()))
-            raise KVTimeoutError(f"{self.what}: no reply from {', '.join(peers) or 'peers'} "
-                                 f"within {timeout:g} s (KVPS_TIMEOUT)")
+        if not self._finished:
+            if not self._gate.acquire(timeout=timeout):
+                with self._lock:
+                    peers = sorted(set(self._waiting.values()))
+                raise KVTimeoutError(f"{self.what}: no reply from {', '.join(peers) or 'peers'} "
+                                     f"within {timeout:g} s (KVPS_TIMEOUT)")
+            self._gate.release()        # let any other waiter through too
         self._keep = ()
         if self._error is not None:
             raise self._error
@@ -62,7 +72,7 @@ class Handle:
         with self._lock:
             self._armed = True
             if not self._waiting:
-                self._event.set()
+                self._complete()
 
     def _answered(self, request_id, error=None):
         with self._lock:
@@ -70,7 +80,7 @@ class Handle:
             if error is not None and self._error is None:
                 self._error = error
             if self._armed and (not self._waiting or error is not None):
-                self._event.set()
+                self._complete()
 
 
 class Requests:

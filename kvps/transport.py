@@ -134,11 +134,13 @@ class Van:
                 timeout = self._run_timers()
                 for sock, _ in self._poller.poll(timeout):
                     if sock == self._wake_r:
-                        self._woken = False
+                        # Read before clearing the flag: a byte written in between must not be
+                        # swallowed while the flag says a wake-up is pending (that would stall sends).
                         try:
                             os.read(self._wake_r, 4096)
                         except BlockingIOError:
                             pass
+                        self._woken = False
                     else:
                         self._drain(sock)
                 self._flush()
