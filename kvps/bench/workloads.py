@@ -1,0 +1,148 @@
+"""The push/pull benchmark's workloads and how a worker times them, whatever system it drives.
+
+    plan = make_plan(sizes=[1024, 1 << 20], resnet_steps=10)
+    run(plan, peer)          # in every worker; rank 0 prints one JSON line per result
+
+A `peer` adapts one system (kvps in kvps_worker.py, MXNet in mxnet_worker.py) to
+the few calls a step needs, so both systems run exactly the same loop:
+
+    peer.name, peer.rank, peer.modes      # modes: the step kinds it can time
+    peer.zeros(shape), peer.ones(shape)   # float32 arrays of the system's own type
+    peer.init(keys, arrays); peer.barrier()
+    peer.step(mode, keys, grads, outs)    # a callable: one complete round, waited for
+
+Modes: "push+pull" pushes every key, then pulls every key (MXNet's pattern:
+push is asynchronous, pull is queued after it); "pushpull" is one call that
+pushes and pulls the whole list.
+
+This module uses the standard library only: mxnet_worker.py imports it as a
+plain module from its own folder under MXNet's Python, where kvps is not installed.
+"""
+import json
+import math
+import statistics
+import sys
+import time
+
+KB, MB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (KB, 64 * KB, MB, 4 * MB, 16 * MB, 64 * MB)
+QUICK_SIZES = (KB, 64 * KB, MB)
+SWEEP_KEY0 = 0            # sweep sizes use keys 0, 1, ...
+RESNET_KEY0 = 1000        # ResNet-50 tensors use keys 1000..1160
+TAG = "kvps-bench"        # every result line is a JSON object with "bench": TAG
+
+
+def resnet50_shapes():
+    """The 161 parameter shapes of ResNet-50 (torchvision's layout): 25,557,032 float32 values.
+
+    conv1 and its batch norm, four stages of bottleneck blocks (1x1, 3x3, 1x1 convolutions,
+    each followed by a batch norm's weight and bias; the first block of a stage adds a 1x1
+    projection and its batch norm), then the 1000-way classifier.
+    """
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    channels = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        out = 4 * width
+        for block in range(blocks):
+            shapes += [(width, channels, 1, 1), (width,), (width,),
+                       (width, width, 3, 3), (width,), (width,),
+                       (out, width, 1, 1), (out,), (out,)]
+            if block == 0:
+                shapes += [(out, channels, 1, 1), (out,), (out,)]
+            channels = out
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def parse_size(text):
+    """Bytes from '1KB', '64K', '4MB', '16MiB' or '4096'; a multiple of 4 (float32)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": KB, "M": MB, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if scale != 1 else t
+    try:
+        value = int(float(digits) * scale)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a size like 1KB, 64KB, 4MB or 4096") from None
+    if value <= 0 or value % 4:
+        raise ValueError(f"size {text!r} is {value} bytes; sizes must be positive multiples of 4 (float32)")
+    return value
+
+
+def show_size(nbytes):
+    for unit, scale in (("MB", MB), ("KB", KB)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def reps_for(nbytes, quick=False):
+    """Timed rounds for one size: about 0.4 GB moved per worker, within [5, 300] ([3, 30] quick)."""
+    low, high, volume = (3, 30, 2e7) if quick else (5, 300, 4e8)
+    return max(low, min(high, int(volume / nbytes)))
+
+
+def make_plan(sizes=DEFAULT_SIZES, resnet_steps=10, quick=False, kvtype="dist_sync"):
+    """What every worker of both systems runs, as a JSON-able dict."""
+    return {
+        "kvtype": kvtype,
+        "warmup": 2 if quick else 3,
+        "sweep": [{"bytes": n, "key": SWEEP_KEY0 + i, "reps": reps_for(n, quick)} for i, n in enumerate(sizes)],
+        "resnet": {"steps": resnet_steps, "warmup": 1 if quick else 2, "key0": RESNET_KEY0,
+                   "shapes": [list(s) for s in resnet50_shapes()]} if resnet_steps > 0 else None,
+    }
+
+
+def load_plan(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def timed(step, warmup, reps, barrier):
+    """Seconds of each of `reps` calls of step(), after `warmup` untimed calls and a barrier
+    (so every worker starts the timed rounds together)."""
+    for _ in range(warmup):
+        step()
+    barrier()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def summary(times, nbytes):
+    """Median (the reported time), mean, min and max in ms, and the median's bandwidth."""
+    median = statistics.median(times)
+    return {"ms": median * 1e3, "mean_ms": statistics.fmean(times) * 1e3, "min_ms": min(times) * 1e3,
+            "max_ms": max(times) * 1e3, "reps": len(times), "GBps": nbytes / median / 1e9}
+
+
+def run(plan, peer, out=None):
+    """Time the plan's sweep and ResNet-50 steps; rank 0 writes one JSON line per result."""
+    out = out or sys.stdout
+
+    def emit(**row):
+        if peer.rank == 0:
+            out.write(json.dumps(dict(row, bench=TAG, system=peer.name)) + "\n")
+            out.flush()
+
+    for item in plan["sweep"]:
+        n, key = item["bytes"], item["key"]
+        peer.init([key], [peer.zeros((n // 4,))])
+        grads, outs = [peer.ones((n // 4,))], [peer.zeros((n // 4,))]
+        for mode in peer.modes:
+            times = timed(peer.step(mode, [key], grads, outs), plan["warmup"], item["reps"], peer.barrier)
+            emit(workload="round", mode=mode, bytes=n, **summary(times, n))
+
+    resnet = plan.get("resnet")
+    if resnet:
+        shapes = [tuple(s) for s in resnet["shapes"]]
+        keys = [resnet["key0"] + i for i in range(len(shapes))]
+        nbytes = 4 * sum(math.prod(s) for s in shapes)
+        peer.init(keys, [peer.zeros(s) for s in shapes])
+        grads, outs = [peer.ones(s) for s in shapes], [peer.zeros(s) for s in shapes]
+        for mode in peer.modes:
+            times = timed(peer.step(mode, keys, grads, outs), resnet["warmup"], resnet["steps"], peer.barrier)
+            emit(workload="resnet50", mode=mode, bytes=nbytes, tensors=len(shapes), **summary(times, nbytes))
+    peer.barrier()
