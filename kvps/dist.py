@@ -8,6 +8,7 @@ DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT) and leaves the job on close() or exit.
 """
 import atexit
 import collections
+import math
 import logging
 import weakref
 
@@ -18,7 +19,7 @@ from .config import Config
 from .errors import KVPSError, ProtocolError
 from .kvstore import KeyInfo, KVStore
 from .node import SCHEDULER, Node
-from .protocol import Entry, Header, Op, as_array, dtype_code
+from .protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
 
@@ -136,8 +137,9 @@ class DistKVStore(KVStore):
             for entry in header.keys:
                 frame = next(frames) if entry.nbytes else None
                 for info, dest in dests.get((entry.key, entry.part), ()):
-                    if entry.dtype != dtype_code(info.dtype) or int(np.prod(entry.shape)) != dest.size:
-                        raise ProtocolError(f"reply for key {entry.key!r} part {entry.part} is {entry.dtype.name} "
+                    if entry.dtype != dtype_code(info.dtype) or math.prod(entry.shape) != dest.size:
+                        raise ProtocolError(f"reply for key {entry.key!r} part {entry.part} is "
+                                            f"{numpy_dtype(entry.dtype)} "
                                             f"{entry.shape}; expected {info.dtype} with {dest.size} elements")
                     if frame is not None:
                         np.copyto(dest, as_array(frame, entry).reshape(-1))
