@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from . import sharding
+from . import compression, sharding
 from .config import Config
 from .errors import KVPSError, ProtocolError
 from .kvstore import KeyInfo, KVStore
@@ -33,8 +33,9 @@ class Messages:
     """A call's requests: per server, entries gathered into messages of about `limit` bytes, so a
     server can work on (and answer) the first ones while the rest are still on the wire."""
 
-    def __init__(self, limit):
+    def __init__(self, limit, meta=None):
         self.limit = limit
+        self.meta = meta or {}       # sent in every message's header
         self._open = {}              # server -> [entries, payloads, bytes]
         self._all = []               # (server, message) in the order they were opened
 
@@ -71,6 +72,8 @@ class DistKVStore(KVStore):
         self._num_servers = len(self._node.membership["servers"])
         self._pending = collections.deque()
         self._optimizer_generation = 0
+        self._codec = None               # gradient compression spec, or None
+        self._residuals = {}             # (key, part) -> float32 error-feedback residual
         self._closed = False
         self._atexit = weakref.WeakMethod(self.close)
         atexit.register(_close_at_exit, self._atexit)
@@ -84,7 +87,7 @@ class DistKVStore(KVStore):
         """Send the requests of a Messages batch under one Handle; returns it."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
-        items = [(f"S{server}", Header(op, keys=entries), payloads, on_reply)
+        items = [(f"S{server}", Header(op, keys=entries, meta=dict(messages.meta)), payloads, on_reply)
                  for server, entries, payloads in messages]
         handle = self._node.request_many(items, what, keep=keep)
         handle.then = then
@@ -102,17 +105,30 @@ class DistKVStore(KVStore):
         more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
         return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
 
-    def _with_values(self, items):
-        """Messages carrying each array's parts."""
-        messages = Messages(self.cfg.message_bytes)
+    def _with_values(self, items, codec=None):
+        """Messages carrying each array's parts; with a codec, float32 parts go compressed."""
+        messages = Messages(self.cfg.message_bytes, {"codec": codec} if codec else {})
         for info, array in items:
             flat = array.reshape(-1)
             code = dtype_code(info.dtype)
+            squeeze = codec is not None and info.dtype == np.float32
             for part in info.parts:
                 seg = flat[part.start:part.stop]
-                messages.add(part.server, Entry(info.key, part.index, code, part.shape(info.shape), seg.nbytes),
-                             _bytes(seg) if seg.nbytes else None, seg.nbytes)
+                if squeeze:
+                    seg = self._compress(info.key, part.index, seg)
+                    entry = Entry.of(info.key, part.index, seg)
+                else:
+                    entry = Entry(info.key, part.index, code, part.shape(info.shape), seg.nbytes)
+                messages.add(part.server, entry, _bytes(seg) if seg.nbytes else None, seg.nbytes)
         return messages
+
+    def _compress(self, key, part, grad):
+        residual = None
+        if compression.needs_residual(self._codec):
+            residual = self._residuals.get((key, part))
+            if residual is None:
+                residual = self._residuals[(key, part)] = np.zeros(grad.size, np.float32)
+        return compression.encode(self._codec, np.ascontiguousarray(grad), residual)
 
     def _bare(self, infos):
         """Messages asking for each key's parts (sized by what the replies will carry)."""
@@ -157,8 +173,9 @@ class DistKVStore(KVStore):
 
     def push(self, key, value, priority=0, async_op=False):
         items = self._values(key, value, "push")
-        return self._send(Op.PUSH, self._what("push", [i for i, _ in items]), self._with_values(items),
-                          keep=[a for _, a in items], async_op=async_op)
+        messages = self._with_values(items, self._codec)
+        return self._send(Op.PUSH, self._what("push", [i for i, _ in items]), messages,
+                          keep=(items, messages), async_op=async_op)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
         items = self._outs(key, out, "pull")
@@ -169,8 +186,9 @@ class DistKVStore(KVStore):
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
         values = self._values(key, value, "pushpull")
         outs = self._outs(key, value if out is None else out, "pushpull")
-        return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), self._with_values(values),
-                          on_reply=self._filler(outs), keep=(values, outs), async_op=async_op,
+        messages = self._with_values(values, self._codec)
+        return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), messages,
+                          on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
                           then=_finishers(outs))
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
@@ -210,6 +228,12 @@ class DistKVStore(KVStore):
             [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in range(self._num_servers)],
             f"set_optimizer({spec['name']})")
         handle.wait()
+
+    def set_gradient_compression(self, compression_params):
+        """Compress float32 pushes from now on (MXNet's dict form, e.g. {"type": "2bit", "threshold": 0.5});
+        see kvps.compression for the types. {"type": "none"} turns it off."""
+        self._codec = compression.check(compression_params)
+        self._residuals.clear()
 
     def barrier(self):
         self._node.barrier("workers")

@@ -123,6 +123,10 @@ class KVStore(abc.ABC):
     def wait_all(self, timeout=None):
         """Wait for every asynchronous call of this kvstore."""
 
+    def set_gradient_compression(self, compression_params):
+        """Compress pushes on the wire (dist kvstores only; see kvps.compression)."""
+        raise ValueError(f"gradient compression needs a dist kvstore; a {self.type!r} kvstore sends nothing")
+
     def close(self):
         """Finish: wait for pending calls and leave the job."""
 

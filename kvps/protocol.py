@@ -66,6 +66,7 @@ class DType(enum.IntEnum):
     INT32 = 4
     INT64 = 5
     UINT8 = 6
+    UINT32 = 7          # packed words of 1-bit and 2-bit gradient compression
 
 
 _NUMPY = {
@@ -76,6 +77,7 @@ _NUMPY = {
     DType.INT32: np.dtype(np.int32),
     DType.INT64: np.dtype(np.int64),
     DType.UINT8: np.dtype(np.uint8),
+    DType.UINT32: np.dtype(np.uint32),
 }
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items()}
 _BY_CODE = [_NUMPY[DType(i)] for i in range(len(DType))]   # indexed by plain int: no Enum hashing

@@ -7,14 +7,15 @@ closes for sync pushes. Values are sent without copying; the store is told, so
 it does not change a value zmq is still reading.
 """
 import logging
+import math
 import threading
 
 import numpy as np
 
-from kvps import kernels
+from kvps import compression, kernels
 from kvps.errors import KVValueError, NodeFailure, ProtocolError, describe, error_kind
 from kvps.node import Node, advertised_host
-from kvps.protocol import Entry, Header, Op, as_array, error_header, numpy_dtype
+from kvps.protocol import DType, Entry, Header, Op, as_array, error_header, numpy_dtype
 
 from .store import Store
 from .updaters import Registry
@@ -174,6 +175,9 @@ class Server(Node):
 
     def _push(self, routing_id, header, payloads, worker, then_pull=False):
         entries = self._arrays(header, payloads, need=True)
+        codec = header.meta.get("codec")
+        if codec is not None:
+            entries = [self._decoded(e, array, codec) for e, array in entries]
         self._check_all(entries)
         reply = Reply(self, routing_id, header, len(entries), values=then_pull)
         for i, (e, array) in enumerate(entries):
@@ -183,6 +187,15 @@ class Server(Node):
                 self.store.pull(worker, e.key, e.part, done)
             else:
                 self.store.push(worker, e.key, e.part, array, done)
+
+    def _decoded(self, entry, array, codec):
+        """A compressed float32 push, decoded into the float32 gradient it stands for."""
+        slot = self.store.slot(entry.key, entry.part)
+        if slot.dtype != np.float32:
+            return entry, array      # only float32 keys are compressed
+        grad = compression.decode(codec, array, math.prod(slot.shape), slot.name())
+        self.store.stats["decoded"] += 1
+        return Entry(entry.key, entry.part, DType.FLOAT32, slot.shape, grad.nbytes), grad.reshape(slot.shape)
 
     def _pushpull(self, routing_id, header, payloads, worker):
         self._push(routing_id, header, payloads, worker, then_pull=True)

@@ -72,7 +72,8 @@ class Store:
         self.slots = {}
         self.gone = {}                   # worker -> reason it can no longer push
         self.sent_timeout = sent_timeout
-        self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0}
+        self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
+                      "bytes_out": 0}
 
     # ---- checks (raise before anything changes) ----
     def slot(self, key, part, initialised=True):

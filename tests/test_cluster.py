@@ -123,6 +123,8 @@ def test_str_keys_agree_whatever_the_init_order_and_default_split(cluster):
         # the 1M-element key was split: both servers took part in its round
         assert sorted(stats) == ["S0", "S1"] and all(s["rounds"] >= 1 for s in stats.values())
         assert sum(s["bytes_in"] for s in stats.values()) >= 2 * 4_000_000
+        # the servers summed the round with the compiled kernels (their counters show it)
+        assert all(s["backend"] == "c" and s["kernels"].get("sum_sources", 0) >= 1 for s in stats.values()), stats
 
 
 def test_daemons_never_import_torch():
