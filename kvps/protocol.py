@@ -51,6 +51,9 @@ class Op(enum.IntEnum):
     SET_OPTIMIZER = 25  # meta: name, params, generation
     VALUE = 26          # reply carrying payloads
     STATS = 27          # reply meta: server counters
+    JOIN = 28           # worker -> server: this worker has no more data; count it as pushing zeros
+    # data: worker -> worker
+    RING = 40           # one chunk of a ring all-reduce step; meta: collective id, step, phase
 
 
 CONTROL_OPS = frozenset({Op.REGISTER, Op.MEMBERSHIP, Op.BARRIER, Op.HEARTBEAT, Op.FINALIZE,
