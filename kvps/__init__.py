@@ -8,10 +8,11 @@ from . import optimizer
 from .errors import (KVPSError, ConfigError, ProtocolError, KVTimeoutError, NodeFailure, RemoteError,
                      KernelUnavailable)
 from .kvstore import KVStore, create
+from .ring import allreduce
 
 __version__ = "0.1.0"
 
-__all__ = ["create", "KVStore", "optimizer", "KVPSError", "ConfigError", "ProtocolError", "KVTimeoutError",
+__all__ = ["create", "allreduce", "KVStore", "optimizer", "KVPSError", "ConfigError", "ProtocolError", "KVTimeoutError",
            "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
 
 

@@ -28,7 +28,7 @@ VARIABLES = (
     Var("KVPS_ROLE", "worker", str, "this process's role: scheduler, server or worker", ("DMLC_ROLE",)),
     Var("KVPS_SCHEDULER", None, str, "the scheduler's HOST:PORT (DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT also work)"),
     Var("KVPS_NUM_WORKERS", 1, int, "number of workers in the job", ("DMLC_NUM_WORKER",)),
-    Var("KVPS_NUM_SERVERS", 1, int, "number of servers in the job", ("DMLC_NUM_SERVER",)),
+    Var("KVPS_NUM_SERVERS", 1, int, "number of servers in the job (0: an all-reduce job)", ("DMLC_NUM_SERVER",)),
     Var("KVPS_RANK", -1, int, "rank this node asks the scheduler for (-1: any; the launcher sets it)"),
     Var("KVPS_HOST", None, str, "address this node advertises to its peers (default: the one that reaches the scheduler)", ("DMLC_NODE_HOST",)),
     Var("KVPS_PORT", 0, int, "port a server binds (0: any free port)"),
@@ -39,6 +39,10 @@ VARIABLES = (
     Var("KVPS_BIGARRAY_BOUND", 1_000_000, int, "arrays with at least this many elements are split over all servers", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
     Var("KVPS_MESSAGE_BYTES", 4 << 20, int, "a call's data to one server goes in messages of about this size, so "
                                            "the server can answer early ones while later ones arrive"),
+    Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
+                                            "this size (Horovod's fusion threshold)"),
+    Var("KVPS_RING_CHUNK_BYTES", 1 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
+                                               "sending and reducing overlap"),
     Var("KVPS_KERNELS", "auto", str, "compute-kernel backend: auto, c, cuda, numba or numpy"),
     Var("KVPS_LOG_LEVEL", "WARNING", str, "logging level of kvps's loggers (DEBUG shows every message)"),
 )
@@ -94,6 +98,8 @@ class Config:
     heartbeat_timeout: float = 10.0
     bigarray_bound: int = 1_000_000
     message_bytes: int = 4 << 20
+    fusion_bytes: int = 64 << 20
+    ring_chunk_bytes: int = 1 << 20
     kernels: str = "auto"
     log_level: str = "WARNING"
 
@@ -116,8 +122,8 @@ class Config:
             raise ConfigError(f"KVPS_ROLE={self.role!r} is not one of {', '.join(ROLES)}")
         if self.num_workers < 1:
             raise ConfigError(f"KVPS_NUM_WORKERS={self.num_workers} must be at least 1")
-        if self.num_servers < 1:
-            raise ConfigError(f"KVPS_NUM_SERVERS={self.num_servers} must be at least 1")
+        if self.num_servers < 0:
+            raise ConfigError(f"KVPS_NUM_SERVERS={self.num_servers} must not be negative")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"KVPS_HEARTBEAT_TIMEOUT={self.heartbeat_timeout} must exceed "
                               f"KVPS_HEARTBEAT_INTERVAL={self.heartbeat_interval}")

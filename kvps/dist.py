@@ -6,11 +6,9 @@ sent by the node's I/O thread. Replies are written into the caller's arrays on
 that thread. The worker finds the scheduler through KVPS_SCHEDULER (or MXNet's
 DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT) and leaves the job on close() or exit.
 """
-import atexit
 import collections
 import math
 import logging
-import weakref
 
 import numpy as np
 
@@ -18,7 +16,7 @@ from . import compression, sharding
 from .config import Config
 from .errors import KVPSError, ProtocolError
 from .kvstore import KeyInfo, KVStore
-from .node import SCHEDULER, Node
+from .node import Worker
 from .protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
@@ -53,21 +51,13 @@ class Messages:
         return ((server, entries, payloads) for server, (entries, payloads, _) in self._all)
 
 
-class Worker(Node):
-    """The worker's node: connects to every server once the job has formed."""
-
-    def on_membership(self, meta):
-        for rank, (host, port, _) in enumerate(meta["servers"]):
-            self.van.connect(f"S{rank}", host, port)
-
-
 class DistKVStore(KVStore):
 
     def __init__(self, name, mode, config=None):
         super().__init__(name)
         self.cfg = config or Config.from_env()
         self.mode = mode
-        self._node = Worker(self.cfg, "worker", meta={"mode": mode})
+        self._node = Worker(self.cfg, meta={"mode": mode})
         self._node.start()
         self._num_servers = len(self._node.membership["servers"])
         self._pending = collections.deque()
@@ -75,8 +65,11 @@ class DistKVStore(KVStore):
         self._codec = None               # gradient compression spec, or None
         self._residuals = {}             # (key, part) -> float32 error-feedback residual
         self._closed = False
-        self._atexit = weakref.WeakMethod(self.close)
-        atexit.register(_close_at_exit, self._atexit)
+        self._close_at_exit()
+        if self._num_servers == 0:
+            self.close()
+            raise KVPSError(f"kvstore {name!r} needs servers, and this job has none "
+                            f"(start it with kvps launch -s S, S >= 1, or use kvps.create('allreduce'))")
 
     rank = property(lambda self: self._node.rank)
     num_workers = property(lambda self: len(self._node.membership["workers"]))
@@ -261,13 +254,7 @@ class DistKVStore(KVStore):
             if self._node.failure is None:
                 self.wait_all()
         finally:
-            try:
-                if self._node.failure is None:
-                    self._node.request(SCHEDULER, Header(Op.FINALIZE), what="leaving the job",
-                                       timeout=min(self.cfg.timeout, 30)).wait()
-            except KVPSError as exc:
-                log.warning("W%s: leaving the job: %s", self.rank, exc)
-            self._node.stop()
+            self._node.leave()
 
 
 def _finishers(items):
@@ -277,11 +264,3 @@ def _finishers(items):
 def _finish(handle, timeout=None):
     return handle.wait(timeout)
 
-
-def _close_at_exit(ref):
-    close = ref()
-    if close is not None:
-        try:
-            close()
-        except Exception as exc:   # at exit, report and go on
-            log.warning("closing the kvstore at exit: %s", exc)

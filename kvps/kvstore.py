@@ -1,6 +1,6 @@
 """The kvstore API (MXNet's names and semantics) and `create`, which picks an implementation.
 
-    kv = kvps.create("dist_sync")         # local | dist_sync (dist) | dist_async
+    kv = kvps.create("dist_sync")         # local | dist_sync (dist) | dist_async | allreduce (ring)
     kv.init(3, np.zeros(10, np.float32))
     kv.push(3, grad); kv.pull(3, out=weight)
     kv.pushpull(3, grad)                  # out=None: the result goes into grad
@@ -14,7 +14,10 @@ checks of keys, shapes and dtypes against what init declared, so every kvstore
 reports bad input the same way before anything is sent.
 """
 import abc
+import atexit
 import dataclasses
+import logging
+import weakref
 
 import numpy as np
 
@@ -26,6 +29,7 @@ TYPES = {
     "local": "local", "device": "local",
     "dist_sync": "sync", "dist": "sync", "dist_sync_device": "sync",
     "dist_async": "async",
+    "allreduce": "allreduce",
 }
 
 
@@ -36,6 +40,9 @@ def create(name="local", **options):
     if TYPES[name] == "local":
         from .local import LocalKVStore
         return LocalKVStore(name, **options)
+    if TYPES[name] == "allreduce":
+        from .ring import RingKVStore
+        return RingKVStore(name, **options)
     from .dist import DistKVStore
     return DistKVStore(name, TYPES[name], **options)
 
@@ -129,6 +136,11 @@ class KVStore(abc.ABC):
 
     def close(self):
         """Finish: wait for pending calls and leave the job."""
+
+    def _close_at_exit(self):
+        """Close this kvstore when the process exits, if the user did not (a weak reference:
+        a kvstore that is gone needs nothing)."""
+        atexit.register(_close_ref, weakref.WeakMethod(self.close))
 
     def broadcast(self, key, value, out, priority=0):
         """init(key, value) then pull(key, out): every worker ends with rank 0's value."""
@@ -229,3 +241,12 @@ class KVStore(abc.ABC):
                                  f"got {ids[0]}..{ids[-1]}")
             result.append(ids)
         return result
+
+
+def _close_ref(ref):
+    close = ref()
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:   # at exit, report and go on
+            logging.getLogger("kvps").warning("closing the kvstore at exit: %s", exc)

@@ -35,8 +35,9 @@ class Job:
     """The processes of one local job, each started and stopped by this object only."""
 
     def __init__(self, num_workers, num_servers, command, env=None, out=None, python=None):
-        if num_workers < 1 or num_servers < 1:
-            raise ConfigError(f"a job needs at least one worker and one server (got -n {num_workers} -s {num_servers})")
+        if num_workers < 1 or num_servers < 0:
+            raise ConfigError(f"a job needs at least one worker and no negative number of servers "
+                              f"(got -n {num_workers} -s {num_servers})")
         if not command:
             raise ConfigError("no worker command given: kvps launch -n W -s S -- python train.py")
         self.num_workers, self.num_servers = num_workers, num_servers

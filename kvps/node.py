@@ -16,7 +16,7 @@ import os
 import socket
 import time
 
-from .errors import NodeFailure, describe
+from .errors import KVPSError, NodeFailure, describe
 from .handle import Handle, Requests, node_failure
 from .protocol import Header, Op
 from .transport import Van
@@ -85,6 +85,17 @@ class Node:
 
     def stop(self):
         self.van.stop()
+
+    def leave(self):
+        """Tell the scheduler this worker is done (unless the job is broken), then stop."""
+        try:
+            if self.failure is None:
+                self.request(SCHEDULER, Header(Op.FINALIZE), what="leaving the job",
+                             timeout=min(self.cfg.timeout, 30)).wait()
+        except KVPSError as exc:
+            log.warning("%s: leaving the job: %s", self.name, exc)
+        finally:
+            self.stop()
 
     # ---- requests ----
     def request(self, peer, header, what, payloads=(), on_reply=None, timeout=None, keep=()):
@@ -176,3 +187,28 @@ class Node:
 
     def on_shutdown(self):
         pass
+
+
+class Worker(Node):
+    """A worker's node: talks to every server, and binds a ROUTER of its own so that other
+    workers can reach it (ring all-reduce). Peer messages go to `peer_handler`."""
+
+    def __init__(self, cfg, meta=None):
+        super().__init__(cfg, "worker", meta)
+        self.van.bind(advertised_host(cfg), 0)
+        self.peer_handler = None        # callable(header, payloads), set by a ring
+
+    def on_membership(self, meta):
+        for rank, (host, port, _) in enumerate(meta["servers"]):
+            self.van.connect(f"S{rank}", host, port)
+        workers = meta["workers"]
+        if len(workers) > 1:
+            right = (meta["rank"] + 1) % len(workers)
+            host, port, _ = workers[right]
+            self.van.connect(f"W{right}", host, port)
+
+    def on_client(self, routing_id, header, payloads):
+        if header.op == Op.RING and self.peer_handler is not None:
+            self.peer_handler(header, payloads)
+        else:
+            log.warning("%s: unexpected %r dropped", self.name, header)

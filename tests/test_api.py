@@ -1,6 +1,5 @@
 """The kvstore API's semantics: the local kvstore (in process), torch tensors, handles,
 row-sparse pulls and deadlines on a real job, and the server-side optimizers' formulas."""
-import json
 
 import ml_dtypes
 import numpy as np

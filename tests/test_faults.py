@@ -1,6 +1,5 @@
 """Bad input and faults on a real job: errors are clear, name what is wrong, lose nothing,
 and nothing hangs."""
-import json
 import socket
 import time
 

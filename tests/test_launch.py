@@ -2,7 +2,6 @@
 import json
 import os
 import subprocess
-import sys
 import time
 
 from harness import FAST_ENV, PY, read_ready
