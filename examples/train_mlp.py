@@ -10,6 +10,7 @@ loss and test accuracy against steps and wall-clock time.
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -43,6 +44,9 @@ def main():
 
     kv = kvps.create(args.kvstore)
     rank, workers = kv.rank, kv.num_workers
+    # Several processes share this machine's cores: one torch thread each avoids oversubscription
+    # (torch's idle threads spin and starve the servers).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (workers + kv.num_servers)))
     (x, y), (x_test, y_test) = dataset()
     x, y = x[rank::workers], y[rank::workers]
     net = model()
