@@ -3,7 +3,8 @@
     kvps scheduler --port 0 --num-workers 2 --num-servers 1
     kvps server --scheduler 127.0.0.1:9091 [--plugin my_rules]
     kvps launch -n 2 -s 1 [--launcher local|ssh] [-H hostfile] [--env K=V] -- python train.py
-    kvps bench pushpull|kernels [options]
+    kvps bench pushpull|kernels|compare [options]
+    kvps emulate -n 4 -s 1 -- python train.py                   # on emulated hosts (root)
     kvps info
 """
 import argparse
@@ -121,9 +122,12 @@ def parser():
     s.set_defaults(fn=cmd_launch)
 
     s = sub.add_parser("bench", help="benchmarks: pushpull, kernels")
-    s.add_argument("what", choices=("pushpull", "kernels"))
+    s.add_argument("what", choices=("pushpull", "kernels", "compare"))
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
+
+    sub.add_parser("emulate", add_help=False,
+                   help="run a job on an emulated multi-host cluster: network namespaces, tc links (root)")
 
     s = sub.add_parser("info", help="print the kernel backend, CPU features and CUDA status")
     s.set_defaults(fn=cmd_info)
@@ -131,6 +135,10 @@ def parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["emulate"]:          # its own parser: options before and after "--"
+        from .emulate import main as emulate_main
+        return emulate_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         return args.fn(args) or 0

@@ -1,0 +1,301 @@
+"""`kvps emulate`: run a kvps job, a link check or a sync benchmark on an emulated cluster.
+
+    kvps emulate -n 4 -s 1 [--colocated] [--rate 1gbit] [--delay-ms 0] -- python train.py
+    kvps emulate check [--rate 1gbit] [--mb 125]
+    kvps emulate sync -n 4 -s 1,4 --placement dedicated,colocated [--workload resnet50] [--steps 3]
+    kvps emulate theory -n 2,4,8 -s 1,4 --placement dedicated,colocated [--mb 102.2] [--rate 1gbit]
+
+Exit codes: 0 success; a worker's own non-zero code; 1 a failed job, check or benchmark;
+2 a usage error; 77 skipped: network namespaces are not permitted here (the reason is printed);
+124 a deadline passed; 130 interrupted (Ctrl-C). Everything it creates is removed on the way out.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from kvps.errors import ConfigError, KVPSError, KVTimeoutError, NodeFailure
+
+from .job import JOB_TIMEOUT, EmulatedJob, run_job
+from .network import Network, NotPermitted, parse_rate, permitted, show_rate
+from .probe import transfer
+from .theory import theory
+
+OK, FAILED, USAGE, SKIPPED, TIMED_OUT, INTERRUPTED = 0, 1, 2, 77, 124, 130
+SUBCOMMANDS = ("check", "sync", "theory")
+RESNET50_BYTES = 4 * 25_557_032
+
+
+def _network_options(p):
+    p.add_argument("--rate", default="1gbit", help="each host link's rate, both ways (default 1gbit)")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="one-way delay between any two hosts, in ms (needs the netem qdisc; default 0)")
+    p.add_argument("--mtu", type=int, default=1500, help="MTU of the host links (default 1500)")
+
+
+def _ints(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def _placements(text):
+    values = text.split(",")
+    bad = [v for v in values if v not in ("dedicated", "colocated")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"placement {bad[0]!r} is not dedicated or colocated")
+    return values
+
+
+def run_parser():
+    p = argparse.ArgumentParser(
+        prog="kvps emulate",
+        description="Run a kvps job with every node in its own network namespace, each host link limited to "
+                    "--rate both ways. Also: 'kvps emulate check' (measure the links), 'kvps emulate sync' "
+                    "(time gradient sync against the bandwidth bound), 'kvps emulate theory' (the bound alone).",
+        epilog="Exit codes: 0 ok, a worker's code, 1 failed, 2 usage, 77 skipped (no namespaces), 124 deadline, "
+               "130 interrupted.")
+    p.add_argument("-n", "--workers", type=int, default=2, help="workers, each on its own host (default 2)")
+    p.add_argument("-s", "--servers", type=int, default=1, help="servers (default 1)")
+    p.add_argument("--colocated", action="store_true",
+                   help="put server j on worker j's host (default: servers get hosts of their own)")
+    _network_options(p)
+    p.add_argument("--timeout", type=float, default=JOB_TIMEOUT, help="seconds the job may run (default 600)")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for every process (repeatable)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
+    return p
+
+
+def check_parser():
+    p = argparse.ArgumentParser(prog="kvps emulate check",
+                                description="Send bytes between emulated hosts over TCP and compare the time "
+                                            "with the configured link rate: one way, both ways at once, two into one.")
+    _network_options(p)
+    p.add_argument("--mb", type=float, default=None,
+                   help="megabytes per transfer (default: one second's worth at --rate, within 1..250)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds each transfer may take (default 120)")
+    return p
+
+
+def sync_parser(prog="kvps emulate sync"):
+    p = argparse.ArgumentParser(prog=prog, description="Time a synchronous gradient step of kvps (dist_sync "
+                                "push+pull and pushpull) on the emulated cluster, beside the bandwidth bound "
+                                "of a parameter server and of a ring all-reduce.")
+    p.add_argument("-n", "--workers", type=_ints, default=[2], help="worker counts, e.g. 2,4 (default 2)")
+    p.add_argument("-s", "--servers", type=_ints, default=[1], help="server counts, e.g. 1,4 (default 1)")
+    p.add_argument("--placement", type=_placements, default=["dedicated"],
+                   help="dedicated, colocated or both, comma-separated (default dedicated)")
+    _network_options(p)
+    if prog.endswith("theory"):
+        p.add_argument("--mb", type=float, default=RESNET50_BYTES / 1e6,
+                       help="megabytes of gradients per step (default ResNet-50's 102.2)")
+        return p
+    p.add_argument("--workload", default="resnet50",
+                   help="resnet50 (161 tensors, 102 MB) or one float32 array of a size like 64MB")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode, after warm-up (default 3)")
+    p.add_argument("--timeout", type=float, default=JOB_TIMEOUT, help="seconds each job may run (default 600)")
+    p.add_argument("-v", "--verbose", action="store_true", help="echo the jobs' output to stderr")
+    return p
+
+
+def main(argv=None):
+    """`kvps emulate ...`; returns the exit code (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    sub = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    try:
+        if sub == "check":
+            return cmd_check(check_parser().parse_args(argv[1:]))
+        if sub == "sync":
+            return cmd_sync(sync_parser().parse_args(argv[1:]))
+        if sub == "theory":
+            return cmd_theory(sync_parser("kvps emulate theory").parse_args(argv[1:]))
+        return cmd_run(run_parser().parse_args(argv))
+    except SystemExit as exc:              # argparse: --help, or a usage error
+        if isinstance(exc.code, int):
+            return exc.code
+        return USAGE
+    except NotPermitted as exc:
+        return _skip(str(exc))
+    except ConfigError as exc:
+        return _fail(exc, USAGE)
+    except KVTimeoutError as exc:
+        return _fail(exc, TIMED_OUT)
+    except (KVPSError, OSError) as exc:
+        return _fail(exc, FAILED)
+    except KeyboardInterrupt:
+        print("kvps emulate: interrupted; everything it started was stopped and removed", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _skip(reason):
+    print(f"kvps emulate: skipped: {reason}", file=sys.stderr)
+    return SKIPPED
+
+
+def _fail(exc, code):
+    print(f"kvps emulate: error: {exc}", file=sys.stderr)
+    return code
+
+
+def _require(delay_ms):
+    ok, why = permitted(delay=delay_ms > 0)
+    if not ok:
+        raise NotPermitted(why)
+
+
+# ---- kvps emulate -- COMMAND ----
+def cmd_run(args):
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ConfigError("no worker command given: kvps emulate -n W -s S -- python train.py")
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env {item!r} is not KEY=VALUE")
+        env[key] = value
+    parse_rate(args.rate)                  # a bad rate is a usage error, reported before any probing
+    _require(args.delay_ms)
+    codes = run_job(args.workers, args.servers, command, args.colocated, args.rate, args.delay_ms, args.mtu,
+                    args.timeout, env)
+    # A worker's own exit code comes before those of the workers the job then stopped (negative signals).
+    failed = [c for c in codes if c and c > 0] or [128 - c for c in codes if c]
+    return failed[0] if failed else OK
+
+
+# ---- kvps emulate check ----
+def cmd_check(args):
+    rate = parse_rate(args.rate)
+    nbytes = int(args.mb * 1e6) if args.mb else int(min(250e6, max(1e6, rate / 8)))
+    if nbytes < 1:
+        raise ConfigError(f"--mb {args.mb} must be positive")
+    _require(args.delay_ms)
+    T = 8 * nbytes / rate
+    scenarios = [("h1 -> h2", [("h1", "h2")]),
+                 ("h1 -> h2 and h2 -> h1 at once", [("h1", "h2"), ("h2", "h1")]),
+                 ("h0 and h1 -> h2 at once", [("h0", "h2"), ("h1", "h2")])]
+    print(f"kvps emulate check: 3 hosts on one bridge, each link {show_rate(rate)} both ways (tbf)"
+          f"{f', {args.delay_ms:g} ms one way' if args.delay_ms else ''}, MTU {args.mtu}; "
+          f"{nbytes / 1e6:g} MB per sender. Times are first to last byte at the receiver; theory = bytes / rate "
+          f"through the busiest link direction.", flush=True)
+    print("\n| transfer | receiver | MB | theory s | measured s | measured Mbit/s | measured/theory |\n"
+          "|---|---|--:|--:|--:|--:|--:|", flush=True)
+    worst = 0.0
+    with Network() as net:
+        net.up(3, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)
+        for label, pairs in scenarios:
+            for dst, result in transfer(net, pairs, nbytes, args.timeout).items():
+                senders = sum(1 for _, d in pairs if d == dst)
+                theory_s = senders * T
+                ratio = result["seconds"] / theory_s
+                worst = max(worst, abs(ratio - 1))
+                print(f"| {label} | {dst} | {result['bytes'] / 1e6:g} | {theory_s:.3f} | {result['seconds']:.3f} | "
+                      f"{8 * result['bytes'] / result['seconds'] / 1e6:.1f} | {ratio:.3f} |", flush=True)
+    headers = (args.mtu + 14) / (args.mtu - 52)     # frame (Ethernet header) over TCP payload (IPv4, timestamps)
+    print(f"\nLargest deviation from theory: {worst:.1%}. Headers alone make a transfer {headers - 1:.1%} slower "
+          f"than bytes / rate (each {args.mtu + 14}-byte frame carries {args.mtu - 52} bytes of payload); a "
+          f"half-duplex link would double the both-ways rows, a link shared by all hosts the two-into-one row.")
+    return OK
+
+
+# ---- kvps emulate sync / theory ----
+def _shapes(args):
+    """The (W, S, colocated) combinations asked for; impossible ones are reported and left out."""
+    out = []
+    for W in args.workers:
+        for S in args.servers:
+            for place in args.placement:
+                if place == "colocated" and S > W:
+                    print(f"(left out: {S} co-located servers need at least {S} workers, not {W})", file=sys.stderr)
+                    continue
+                out.append((W, S, place == "colocated"))
+    if not out:
+        raise ConfigError("no worker/server/placement combination can run")
+    return out
+
+
+def cmd_theory(args):
+    rate = parse_rate(args.rate)
+    M = args.mb * 1e6
+    print(f"Bandwidth bound per step, M = {args.mb:g} MB, B = {show_rate(rate)} per host link, full duplex\n")
+    print("| W | S | servers | PS bound ms | ring bound ms |\n|--:|--:|---|--:|--:|")
+    for W, S, colocated in _shapes(args):
+        t = theory(M, rate, W, S, colocated)
+        print(f"| {W} | {S} | {'co-located' if colocated else 'dedicated'} | {t.ps * 1e3:.0f} | {t.ring * 1e3:.0f} |")
+    return OK
+
+
+class _Lines:
+    """A job's output, kept and (with -v) echoed."""
+
+    def __init__(self, echo=None):
+        self.parts, self.echo = [], echo
+
+    def write(self, text):
+        self.parts.append(text)
+        if self.echo:
+            self.echo.write(text)
+
+    def flush(self):
+        if self.echo:
+            self.echo.flush()
+
+    def text(self):
+        return "".join(self.parts)
+
+
+def cmd_sync(args):
+    from kvps.bench import workloads
+    from kvps.bench.pushpull import results
+
+    rate = parse_rate(args.rate)
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be at least 1")
+    shapes = _shapes(args)
+    if args.workload == "resnet50":
+        plan = workloads.make_plan(sizes=(), resnet_steps=args.steps, quick=True)
+        what = "ResNet-50 (161 tensors)"
+    else:
+        try:
+            size = workloads.parse_size(args.workload)
+        except ValueError as exc:
+            raise ConfigError(f"--workload: {exc}") from None
+        plan = workloads.make_plan(sizes=(size,), resnet_steps=0, quick=True)
+        plan["sweep"][0]["reps"] = args.steps
+        what = f"one {workloads.show_size(size)} array"
+    _require(args.delay_ms)
+    print(f"kvps emulate sync: {what}, dist_sync, each host link {show_rate(rate)} both ways"
+          f"{f', {args.delay_ms:g} ms one way' if args.delay_ms else ''}, {os.cpu_count()} CPUs for every process; "
+          f"median of {args.steps} timed steps. Bound: the busiest link direction at full rate "
+          "(docs/emulate.md).", flush=True)
+    print("\n| W | S | servers | MB | push+pull ms | pushpull ms | PS bound ms | best/bound | ring bound ms |\n"
+          "|--:|--:|---|--:|--:|--:|--:|--:|--:|", flush=True)
+    env = {"KVPS_TIMEOUT": f"{max(30.0, args.timeout / 2):g}"}
+    with tempfile.TemporaryDirectory(prefix="kvps-emulate-") as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        with open(plan_path, "w") as f:
+            json.dump(plan, f)
+        for W, S, colocated in shapes:
+            lines = _Lines(sys.stderr if args.verbose else None)
+            with Network() as net:
+                job = EmulatedJob(net, W, S, [sys.executable, "-m", "kvps.bench.kvps_worker", plan_path],
+                                  colocated, env, lines)
+                net.up(job.hosts, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)
+                codes = job.run(args.timeout)
+            rows = {r["mode"]: r for r in results(lines.text())}
+            if any(codes) or len(rows) < 2:
+                raise NodeFailure(f"the job W={W} S={S} failed (worker exit codes {codes}); its output:\n"
+                                  + lines.text()[-6000:])
+            M = next(iter(rows.values()))["bytes"]
+            t = theory(M, rate, W, S, colocated)
+            best = min(r["ms"] for r in rows.values()) / 1e3
+            ratio = f"{best / t.ps:.2f}" if t.ps else "-"
+            print(f"| {W} | {S} | {'co-located' if colocated else 'dedicated'} | {M / 1e6:.1f} | "
+                  f"{rows['push+pull']['ms']:.0f} | {rows['pushpull']['ms']:.0f} | {t.ps * 1e3:.0f} | "
+                  f"{ratio} | {t.ring * 1e3:.0f} |", flush=True)
+    return OK
