@@ -37,6 +37,8 @@ VARIABLES = (
     Var("KVPS_HEARTBEAT_INTERVAL", 1.0, float, "seconds between heartbeats to the scheduler"),
     Var("KVPS_HEARTBEAT_TIMEOUT", 10.0, float, "seconds of silence after which a node is declared dead"),
     Var("KVPS_BIGARRAY_BOUND", 1_000_000, int, "arrays with at least this many elements are split over all servers", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
+    Var("KVPS_PARTITION_BYTES", 4 << 20, int, "a split array is cut into parts of at most this size (0: one part "
+                                               "per server), dealt round the servers"),
     Var("KVPS_MESSAGE_BYTES", 4 << 20, int, "a call's data to one server goes in messages of about this size, so "
                                            "the server can answer early ones while later ones arrive"),
     Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
@@ -97,6 +99,7 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     bigarray_bound: int = 1_000_000
+    partition_bytes: int = 4 << 20
     message_bytes: int = 4 << 20
     fusion_bytes: int = 64 << 20
     ring_chunk_bytes: int = 1 << 20

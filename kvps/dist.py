@@ -89,8 +89,9 @@ class DistKVStore(KVStore):
             return handle
         return _finish(handle)
 
-    def _layout(self, key, shape):
-        return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound)
+    def _layout(self, key, shape, dtype):
+        return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound, np.dtype(dtype).itemsize,
+                               self.cfg.partition_bytes)
 
     @staticmethod
     def _what(op, infos):
@@ -157,7 +158,7 @@ class DistKVStore(KVStore):
     # ---- the API ----
     def init(self, key, value):
         items = self._inits(key, value)
-        infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape)) for i, _ in items]
+        infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape, i.dtype)) for i, _ in items]
         arrays = [a for _, a in items]
         messages = self._with_values(list(zip(infos, arrays))) if self.rank == 0 else self._bare(infos)
         self._send(Op.INIT, self._what("init", infos), messages, keep=arrays)

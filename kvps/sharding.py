@@ -5,9 +5,11 @@ every worker finds it in the same place whatever order keys were initialised in
 (MXNet maps str keys to ints in init order, which breaks when workers differ).
 
 An array with at least `bound` elements is split along its first axis into
-contiguous row ranges, one per server (fewer when it has fewer rows), starting
-at the hashed server, so big arrays spread their traffic over all servers and a
-row-sparse pull asks each server only for its own rows.
+contiguous row ranges, at least one per server (fewer when it has fewer rows)
+and more when the parts would exceed `partition_bytes` (BytePS's partitions),
+dealt round the servers starting at the hashed one. Big arrays thus spread their
+traffic over all servers, a server can answer one part while the next arrives,
+and a row-sparse pull asks each server only for its own rows.
 """
 import dataclasses
 import hashlib
@@ -52,7 +54,7 @@ class Part:
         return (self.row_stop - self.row_start,) + tuple(full_shape[1:])
 
 
-def layout(key, shape, num_servers, bound):
+def layout(key, shape, num_servers, bound, itemsize=4, partition_bytes=None):
     """The parts of a key with this shape over `num_servers` servers."""
     if num_servers < 1:
         raise ValueError(f"num_servers must be at least 1, got {num_servers}")
@@ -63,7 +65,10 @@ def layout(key, shape, num_servers, bound):
     size = rows * row_size
     if size < bound or num_servers == 1 or rows < 2:
         return (Part(0, first, 0, rows, row_size),)
-    nparts = min(num_servers, rows)
+    nparts = num_servers
+    if partition_bytes:
+        nparts = max(nparts, -(-size * itemsize // partition_bytes))
+    nparts = min(nparts, rows)
     cuts = [rows * p // nparts for p in range(nparts + 1)]
     return tuple(Part(p, (first + p) % num_servers, cuts[p], cuts[p + 1], row_size) for p in range(nparts))
 

@@ -106,6 +106,16 @@ def test_big_arrays_split_into_contiguous_rows(shape, servers):
     assert max(p.row_stop - p.row_start for p in parts) - min(p.row_stop - p.row_start for p in parts) <= 1
 
 
+def test_big_arrays_are_cut_into_partitions():
+    # 16 MB of float32 over 2 servers with 4 MB partitions: 4 parts, two on each server
+    parts = sharding.layout("big", (4_000_000,), 2, bound=1_000_000, itemsize=4, partition_bytes=4_000_000)
+    assert len(parts) == 4 and [p.size for p in parts] == [1_000_000] * 4
+    assert sorted(p.server for p in parts) == [0, 0, 1, 1]
+    # never more parts than rows, and no partitions below the bound
+    assert len(sharding.layout("r", (3, 2_000_000), 2, 1_000_000, 4, 1 << 20)) == 3
+    assert len(sharding.layout("s", (999_999,), 2, 1_000_000, 4, 1)) == 1
+
+
 def test_split_rows_routes_ids():
     parts = sharding.layout("e", (10, 2), 2, bound=1)
     routed = sharding.split_rows(parts, np.array([1, 7, 9]))
