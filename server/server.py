@@ -228,10 +228,16 @@ class Server(Node):
             raise KVValueError(f"workers set different optimizers: {current_spec} and, from W{worker}, {spec}")
         self.van.reply(routing_id, Header(Op.ACK, header.id, self.name))
 
+    def _join(self, routing_id, header, payloads, worker):
+        log.info("%s: W%d joined (it counts as pushing zeros until every worker has joined)", self.name, worker)
+        self.store.worker_joined(worker)
+        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name))
+
     def _stats(self, routing_id, header, payloads, worker):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
                     keys=len(self.store.slots), mode=self.store.mode)
         self.van.reply(routing_id, Header(Op.STATS, header.id, self.name, meta=meta))
 
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,
-                 Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats}
+                 Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats,
+                 Op.JOIN: _join}

@@ -17,6 +17,11 @@ round closes is queued for the next round.
 
 Async mode: each push is applied when it arrives: the optimizer if one is set,
 otherwise the pushed value is added to the stored one (delta pushes, as BytePS).
+
+Join (sync mode, Horovod's join): a worker that has run out of data calls
+`worker_joined`; from then on it counts as pushing zeros into every round, so a
+round closes once every other worker has pushed, and open rounds that this
+completes close at once. When every worker has joined, all count as active again.
 """
 import logging
 
@@ -71,9 +76,10 @@ class Store:
         self.updater = None
         self.slots = {}
         self.gone = {}                   # worker -> reason it can no longer push
+        self.joined = set()              # workers that count as pushing zeros (sync; see worker_joined)
         self.sent_timeout = sent_timeout
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
-                      "bytes_out": 0}
+                      "bytes_out": 0, "joins": 0, "last_joined": -1}
 
     # ---- checks (raise before anything changes) ----
     def slot(self, key, part, initialised=True):
@@ -142,6 +148,9 @@ class Store:
         if self.gone:
             reason = "; ".join(self.gone.values())
             raise NodeFailure(f"the sync round of {slot.name()} can never close: {reason}")
+        if worker in self.joined:
+            raise KVValueError(f"W{worker} pushed {slot.name()} after join(); a worker that has joined "
+                               f"pushes nothing until every worker has joined")
         slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
         self._enter(slot, worker, array, done)
 
@@ -152,11 +161,20 @@ class Store:
         slot.in_round.add(worker)
         slot.pending.append(array)
         slot.acks.append(done)
-        if len(slot.in_round) == self.num_workers:
+        if self._complete(slot):
             self._close_round(slot)
+
+    def _complete(self, slot):
+        """Every worker has pushed into the open round, or has joined (and so pushes zeros)."""
+        if not self.joined:
+            return len(slot.in_round) == self.num_workers
+        return len(slot.in_round | self.joined) == self.num_workers
 
     def _close_round(self, slot):
         pending, acks = slot.pending, slot.acks
+        # A joined worker's zeros count as its push, so its pulls never wait and its count stays in step.
+        for worker in self.joined - slot.in_round:
+            slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
         slot.pending, slot.acks, slot.in_round = [], [], set()
         try:
             self._merge(slot, pending)
@@ -254,6 +272,20 @@ class Store:
         slot.sent = []
 
     # ---- membership ----
+    def worker_joined(self, worker):
+        """A worker has no more data. In sync mode, rounds it was the last one missing from close
+        now (async rounds wait for nobody). Once every worker has joined, all of them are active
+        again, so a later epoch runs as before, and stats["last_joined"] names the last one."""
+        self.stats["joins"] += 1
+        self.joined.add(worker)
+        if self.mode == "sync":
+            for slot in self.slots.values():
+                if slot.in_round and self._complete(slot):
+                    self._close_round(slot)
+        if len(self.joined) == self.num_workers:
+            self.joined.clear()
+            self.stats["last_joined"] = worker
+
     def worker_gone(self, worker, reason):
         """A worker left or died: fail every sync round that waits for it."""
         self.gone[worker] = reason
