@@ -15,6 +15,7 @@ import numpy as np
 from . import compression, sharding
 from .config import Config
 from .errors import KVPSError, ProtocolError
+from .handle import remember
 from .kvstore import KeyInfo, KVStore
 from .node import Worker
 from .protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
@@ -85,7 +86,7 @@ class DistKVStore(KVStore):
         handle = self._node.request_many(items, what, keep=keep)
         handle.then = then
         if async_op:
-            self._pending.append(handle)
+            remember(self._pending, handle)
             return handle
         return _finish(handle)
 
@@ -235,6 +236,15 @@ class DistKVStore(KVStore):
     def wait_all(self, timeout=None):
         while self._pending:
             _finish(self._pending.popleft(), timeout)
+
+    def join(self):
+        """This worker has no more data (Horovod's join): from now on it counts as pushing zeros into
+        every sync round, so the others finish theirs; waits until every worker has joined and
+        returns the rank of the last one (the one that trained longest)."""
+        self.wait_all()
+        self._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in range(self._num_servers)],
+                                f"W{self.rank} joining").wait()
+        return int(self._node.barrier("workers")[1:])
 
     def server_stats(self):
         """Each server's counters (pushes, pulls, rounds, kernel calls, ...), by server name."""

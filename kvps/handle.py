@@ -27,6 +27,7 @@ class Handle:
         self._lock = threading.Lock()
         self._armed = False
         self.then = ()                  # callables run once, on the waiting thread, after success
+        self.meta = {}                  # the meta of the last reply (e.g. a barrier's "last")
 
     @classmethod
     def completed(cls, what):
@@ -36,6 +37,9 @@ class Handle:
 
     def done(self):
         return self._finished
+
+    def succeeded(self):
+        return self._finished and self._error is None
 
     def _complete(self):
         """Mark done and wake the waiters (call with self._lock held, or before sharing)."""
@@ -83,6 +87,14 @@ class Handle:
                 self._complete()
 
 
+def remember(pending, handle):
+    """Keep an asynchronous call's handle (in the deque `pending`) for wait_all(), dropping the ones
+    at the front that already succeeded, so a long run does not pile them up."""
+    while pending and pending[0].succeeded():
+        pending.popleft()
+    pending.append(handle)
+
+
 class Requests:
     """Requests sent and not yet answered, by request id (ps-lite's Customer)."""
 
@@ -110,6 +122,7 @@ class Requests:
         if entry is None:
             return False
         handle, peer, on_reply = entry
+        handle.meta = header.meta
         if header.op == Op.ERROR:
             handle._answered(header.id, remote_error(header.meta.get("kind"), header.meta.get("message", "")))
             return True

@@ -130,6 +130,13 @@ class KVStore(abc.ABC):
     def wait_all(self, timeout=None):
         """Wait for every asynchronous call of this kvstore."""
 
+    def join(self):
+        """This worker has run out of data: let the others finish their rounds, wait until every
+        worker has joined, and return the rank of the last one to join."""
+        if self.num_workers > 1:
+            raise NotImplementedError(f"a {self.type} kvstore cannot join()")
+        return self.rank
+
     def set_gradient_compression(self, compression_params):
         """Compress pushes on the wire (dist kvstores only; see kvps.compression)."""
         raise ValueError(f"gradient compression needs a dist kvstore; a {self.type!r} kvstore sends nothing")

@@ -115,9 +115,14 @@ class Node:
         return handle
 
     def barrier(self, group="workers", timeout=None):
-        """Wait until every node of the group ("workers", "servers", "all") reaches the barrier."""
-        self.request(SCHEDULER, Header(Op.BARRIER, meta={"group": group}),
-                     what=f"{self.name} waiting at a barrier of {group}", timeout=timeout).wait()
+        """Wait until every node of the group ("workers", "servers", "all") reaches the barrier;
+        returns the name of the node that arrived last."""
+        return self.barrier_async(group, timeout).wait().meta.get("last")
+
+    def barrier_async(self, group="workers", timeout=None):
+        """Enter a barrier without waiting; when done, the handle's meta["last"] names the last to arrive."""
+        return self.request(SCHEDULER, Header(Op.BARRIER, meta={"group": group}),
+                            what=f"{self.name} waiting at a barrier of {group}", timeout=timeout)
 
     # ---- I/O thread ----
     def _on_membership(self, header, payloads):

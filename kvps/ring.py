@@ -26,10 +26,10 @@ from . import kernels
 from .arrays import Out, as_numpy
 from .config import Config
 from .errors import KVPSError, KVTimeoutError, ProtocolError
-from .handle import Handle
+from .handle import Handle, remember
 from .kvstore import KVStore
 from .node import Worker
-from .protocol import Entry, Header, Op, as_array, dtype_code
+from .protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.ring")
 
@@ -46,27 +46,27 @@ class Ring:
         self.size = len(node.membership["workers"])
         self.right = f"W{(self.rank + 1) % self.size}"
         self.left = f"W{(self.rank - 1) % self.size}"
-        self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame)
+        self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame, n)
         self._cond = threading.Condition()
-        self._seq = itertools.count()
+        self._next = 0                       # number of the next collective
         node.peer_handler = self._on_message
 
     def _on_message(self, header, payloads):          # I/O thread
         meta = header.meta
         try:
             slot = (meta["seq"], meta["phase"], meta["step"], meta["chunk"])
-            entry, frame = header.keys[0], payloads[0]
-        except (KeyError, IndexError, TypeError):
+            entry, frame, n = header.keys[0], payloads[0], int(meta["n"])
+        except (KeyError, IndexError, TypeError, ValueError):
             log.warning("%s: malformed ring message %r dropped", self.node.name, header)
             return
         with self._cond:
-            self._inbox[slot] = (entry, frame)
+            self._inbox[slot] = (entry, frame, n)
             self._cond.notify_all()
 
-    def _send(self, seq, phase, step, chunk, piece):
+    def _send(self, seq, n, phase, step, chunk, piece):
         piece = piece.copy()     # the buffer changes later in the collective; zmq must not see that
         header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)],
-                        meta={"seq": seq, "phase": phase, "step": step, "chunk": chunk})
+                        meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk})
         header.src = self.node.name
         self.node.van.send(self.right, header, [memoryview(piece.view(np.uint8))] if piece.nbytes else [])
 
@@ -80,20 +80,44 @@ class Ring:
                     raise KVTimeoutError(f"{what}: no data from {self.left} ({slot[1]} step {slot[2]}, chunk "
                                          f"{slot[3]}) within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
                 self._cond.wait(min(left, 0.25))
-            return self._inbox.pop(slot)
+            entry, frame, _ = self._inbox.pop(slot)
+            return entry, frame
 
     def allreduce(self, flat, what, average=False):
         """Sum (or average) a 1-D contiguous array over all workers, in place."""
         size, rank = self.size, self.rank
         if average and flat.dtype.kind in "iu":
             raise ValueError(f"{what}: cannot average {flat.dtype} values; use op='sum'")
-        if size > 1:
+        if size > 1 and flat.size:       # an empty collective sends nothing, and is not numbered
             self._ring(flat, what, size, rank)
         if average and size > 1:
             kernels.scale(flat, 1.0 / size)
 
+    def serve(self, done, what):
+        """Take part, with zeros, in the next collective the other workers start; returns False
+        (having served nothing) once `done()` is true. For a worker that has joined."""
+        seq = self._next
+        deadline = time.monotonic() + self.cfg.timeout
+        with self._cond:
+            while True:
+                found = next((v for k, v in self._inbox.items() if k[0] == seq), None)
+                if found is not None:
+                    break
+                if done():
+                    return False
+                if self.node.failure is not None:
+                    raise self.node.failure
+                if time.monotonic() > deadline:
+                    raise KVTimeoutError(f"{what}: neither a collective nor the end of the join "
+                                         f"within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
+                self._cond.wait(0.05)
+        entry, _, n = found
+        self._ring(np.zeros(n, numpy_dtype(entry.dtype)), what, self.size, self.rank)
+        return True
+
     def _ring(self, flat, what, size, rank):
-        seq = next(self._seq)
+        seq = self._next
+        self._next += 1
         n = flat.size
         bounds = [n * i // size for i in range(size + 1)]
         step_elems = max(1, self.cfg.ring_chunk_bytes // flat.itemsize)
@@ -113,17 +137,17 @@ class Ring:
             return as_array(frame, entry)
 
         for c, a, b in chunks(rank):                       # reduce-scatter, step 0: my own segment
-            self._send(seq, "rs", 0, c, flat[a:b])
+            self._send(seq, n, "rs", 0, c, flat[a:b])
         for step in range(size - 1):
             for c, a, b in chunks((rank - step - 1) % size):
                 kernels.sum_into(flat[a:b], take("rs", step, c, a, b))
                 # forward at once: the next step (or the all-gather) sends exactly this chunk
-                self._send(seq, *(("rs", step + 1) if step < size - 2 else ("ag", 0)), c, flat[a:b])
+                self._send(seq, n, *(("rs", step + 1) if step < size - 2 else ("ag", 0)), c, flat[a:b])
         for step in range(size - 1):                       # all-gather
             for c, a, b in chunks((rank - step) % size):
                 flat[a:b] = take("ag", step, c, a, b)
                 if step < size - 2:
-                    self._send(seq, "ag", step + 1, c, flat[a:b])
+                    self._send(seq, n, "ag", step + 1, c, flat[a:b])
 
 
 def fuse(arrays, limit):
@@ -215,7 +239,7 @@ class RingKVStore(KVStore):
     def _run(self, what, fn, async_op=False):
         handle = self._engine.submit(what, fn)
         if async_op:
-            self._pending.append(handle)
+            remember(self._pending, handle)
             return handle
         return handle.wait()
 
@@ -300,6 +324,22 @@ class RingKVStore(KVStore):
             np.copyto(target.array, result)
             target.finish()
         return self._run("allreduce", job, async_op)
+
+    def join(self):
+        """This worker has no more data: take part with zeros in every collective the others still
+        run, until every worker has joined; returns the rank of the last worker to join."""
+        def job():
+            barrier = self._node.barrier_async("workers")
+            while self._ring.serve(barrier.done, f"W{self.rank} after join()"):
+                pass
+            result["last"] = barrier.wait().meta.get("last")
+        result = {}
+        self._run("join", job)
+        return int(result["last"][1:])
+
+    def set_gradient_compression(self, compression_params):
+        raise ValueError("the ring all-reduce sends values as they are; gradient compression applies to "
+                         "pushes to servers (dist_sync, dist_async)")
 
     def set_optimizer(self, optimizer):
         updater = self._registry.create(optimizer.spec())

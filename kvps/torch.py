@@ -26,8 +26,6 @@ import weakref
 import torch
 
 import kvps
-from .dist import DistKVStore
-from .protocol import Header, Op
 
 log = logging.getLogger("kvps.torch")
 
@@ -454,14 +452,7 @@ def join(kvstore=None):
     and their averages still divide by all workers. Every worker calls join() when its data runs
     out. Raises KVPSError where the kvstore cannot join."""
     kv = _SESSION.kvstore(kvstore=kvstore)
-    kv.wait_all()
-    if hasattr(kv, "join"):
+    try:
         return kv.join()
-    if isinstance(kv, DistKVStore):
-        kv._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in range(kv.num_servers)],
-                              f"W{kv.rank} joining").wait()
-        kv.barrier()                                   # every worker's JOIN has reached every server
-        return kv.server_stats()["S0"]["last_joined"]
-    if kv.num_workers > 1:
-        raise kvps.KVPSError(f"a {kv.type} kvstore cannot join() yet (its collectives need every worker)")
-    return kv.rank
+    except NotImplementedError as exc:
+        raise kvps.KVPSError(str(exc)) from None

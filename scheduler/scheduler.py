@@ -56,7 +56,7 @@ class Scheduler:
         self.members = []                       # in registration order
         self.by_routing = {}
         self.formed = False
-        self.barriers = {g: [] for g in GROUPS}  # group -> [(routing_id, request_id)]
+        self.barriers = {g: [] for g in GROUPS}  # group -> [(routing_id, request_id, name)] in arrival order
         self.failures = []
         self.exit_code = None
         self._done = threading.Event()
@@ -158,15 +158,16 @@ class Scheduler:
         if group not in GROUPS:
             return self._refuse(member.routing_id, header, f"barrier group {group!r} is not one of {sorted(GROUPS)}",
                                 kind="value")
-        self.barriers[group].append((member.routing_id, header.id))
+        self.barriers[group].append((member.routing_id, header.id, member.name))
         self._release(group)
 
     def _release(self, group):
         waiting = self.barriers[group]
         live = [m for m in self.members if m.role in GROUPS[group] and m.state == "alive"]
         if waiting and len(waiting) >= len(live):
-            for routing_id, request_id in waiting:
-                self.van.reply(routing_id, Header(Op.ACK, request_id, "H"))
+            last = waiting[-1][2]      # who arrived last (Horovod's join() returns that rank)
+            for routing_id, request_id, _ in waiting:
+                self.van.reply(routing_id, Header(Op.ACK, request_id, "H", meta={"last": last}))
             self.barriers[group] = []
 
     def _finalize(self, member, header):

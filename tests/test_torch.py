@@ -1,7 +1,6 @@
 """kvps.torch: DistributedOptimizer in every mode against single-process training, broadcasts of
 parameters and optimizer state, join() with uneven data; in process (local kvstore, the store's
 join bookkeeping, the server-optimizer translation) and on real jobs (cluster fixture)."""
-import importlib
 
 import numpy as np
 import pytest
@@ -261,16 +260,8 @@ if os.environ.get("COMPRESSION"):
 '''
 
 
-def _needs(mode):
-    if mode == "allreduce" and "allreduce" not in kvps.kvstore.TYPES:
-        pytest.skip("the allreduce kvstore (kvps/ring.py) is not there yet")
-    if mode == "allreduce":
-        importlib.import_module("kvps.ring")       # for kvps.ring below
-
-
 @pytest.mark.parametrize("mode", ["sync", "allreduce"])
 def test_sync_modes_match_single_process_training(cluster, mode):
-    _needs(mode)
     c = cluster(2, 1 if mode == "sync" else 0)
     results = [by_stage(lines) for lines in
                c.run_workers(SYNC, timeout=90, env={"MODE": mode, "COMPRESSION": "fp16" if mode == "sync" else ""})]
@@ -379,9 +370,6 @@ def _uneven_reference():
 
 @pytest.mark.parametrize("mode", ["sync", "allreduce"])
 def test_join_with_uneven_data(cluster, mode):
-    _needs(mode)
-    if mode == "allreduce" and not hasattr(kvps.ring.RingKVStore, "join"):
-        pytest.skip("the allreduce kvstore has no join() yet (kvps/ring.py)")
     # two servers, and keys of 64+ elements split over both: JOIN must reach every server
     c = cluster(2, 2 if mode == "sync" else 0, env={"KVPS_BIGARRAY_BOUND": "64"})
     results = [by_stage(lines) for lines in c.run_workers(JOIN, timeout=90, env={"MODE": mode})]
