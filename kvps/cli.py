@@ -64,12 +64,7 @@ def cmd_server(args):
 def cmd_launch(args):
     from . import launcher
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise KVPSError(f"--env {item!r} is not KEY=VALUE")
-        env[key] = value
+    env = launcher.parse_env(args.env)
     if args.launcher == "ssh":
         if not args.hostfile:
             raise KVPSError("--launcher ssh needs -H HOSTFILE")

@@ -61,11 +61,9 @@ class DistKVStore(KVStore):
         self._node = Worker(self.cfg, meta={"mode": mode})
         self._node.start()
         self._num_servers = len(self._node.membership["servers"])
-        self._pending = collections.deque()
         self._optimizer_generation = 0
         self._codec = None               # gradient compression spec, or None
         self._residuals = {}             # (key, part) -> float32 error-feedback residual
-        self._closed = False
         self._close_at_exit()
         if self._num_servers == 0:
             self.close()
@@ -233,10 +231,6 @@ class DistKVStore(KVStore):
     def barrier(self):
         self._node.barrier("workers")
 
-    def wait_all(self, timeout=None):
-        while self._pending:
-            _finish(self._pending.popleft(), timeout)
-
     def join(self):
         """This worker has no more data (Horovod's join): from now on it counts as pushing zeros into
         every sync round, so the others finish theirs; waits until every worker has joined and
@@ -256,16 +250,11 @@ class DistKVStore(KVStore):
                                 "server stats").wait()
         return stats
 
-    def close(self):
-        """Wait for pending calls, tell the scheduler this worker is done, and stop."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._node.failure is None:
-                self.wait_all()
-        finally:
-            self._node.leave()
+    def _healthy(self):
+        return self._node.failure is None
+
+    def _leave(self):
+        self._node.leave()
 
 
 def _finishers(items):

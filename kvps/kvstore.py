@@ -15,6 +15,7 @@ reports bad input the same way before anything is sent.
 """
 import abc
 import atexit
+import collections
 import dataclasses
 import logging
 import weakref
@@ -82,6 +83,8 @@ class KVStore(abc.ABC):
     def __init__(self, name):
         self.type = name
         self._keys = {}            # key -> KeyInfo
+        self._pending = collections.deque()   # handles of asynchronous calls (handle.remember)
+        self._closed = False
 
     # ---- identity ----
     @property
@@ -126,9 +129,10 @@ class KVStore(abc.ABC):
     def barrier(self):
         """Wait until every worker reaches the barrier."""
 
-    @abc.abstractmethod
     def wait_all(self, timeout=None):
-        """Wait for every asynchronous call of this kvstore."""
+        """Wait for every asynchronous call of this kvstore; raises the first one's error."""
+        while self._pending:
+            self._pending.popleft().wait(timeout)
 
     def join(self):
         """This worker has run out of data: let the others finish their rounds, wait until every
@@ -142,7 +146,21 @@ class KVStore(abc.ABC):
         raise ValueError(f"gradient compression needs a dist kvstore; a {self.type!r} kvstore sends nothing")
 
     def close(self):
-        """Finish: wait for pending calls and leave the job."""
+        """Finish: wait for pending calls (unless the job is broken) and leave the job."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._healthy():
+                self.wait_all()
+        finally:
+            self._leave()
+
+    def _healthy(self):
+        return True
+
+    def _leave(self):
+        """Tell the job this worker is done and release what the kvstore holds."""
 
     def _close_at_exit(self):
         """Close this kvstore when the process exits, if the user did not (a weak reference:

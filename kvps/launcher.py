@@ -156,6 +156,17 @@ def launch_local(num_workers, num_servers, command, env=None):
         return 130
 
 
+def parse_env(items, option="--env"):
+    """{KEY: VALUE} from ["KEY=VALUE", ...]; raises ConfigError naming a bad item."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{option} {item!r} is not KEY=VALUE")
+        env[key] = value
+    return env
+
+
 def read_hostfile(path):
     try:
         with open(path) as f:

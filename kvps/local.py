@@ -62,9 +62,6 @@ class LocalKVStore(KVStore):
     def barrier(self):
         pass
 
-    def wait_all(self, timeout=None):
-        pass
-
 
 def _raise(result):
     if isinstance(result, Exception):

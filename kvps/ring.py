@@ -226,8 +226,6 @@ class RingKVStore(KVStore):
         self._stored = {}
         self._registry = Registry()
         self._updater = None
-        self._pending = collections.deque()
-        self._closed = False
         self._close_at_exit()
         if _Default.kv is None:
             _Default.kv = self           # kvps.allreduce() uses the process's ring kvstore
@@ -352,22 +350,14 @@ class RingKVStore(KVStore):
         self.wait_all()
         self._node.barrier("workers")
 
-    def wait_all(self, timeout=None):
-        while self._pending:
-            self._pending.popleft().wait(timeout)
+    def _healthy(self):
+        return self._node.failure is None
 
-    def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._node.failure is None:
-                self.wait_all()
-        finally:
-            self._engine.stop()
-            self._node.leave()
-            if _Default.kv is self:
-                _Default.kv = None
+    def _leave(self):
+        self._engine.stop()
+        self._node.leave()
+        if _Default.kv is self:
+            _Default.kv = None
 
 
 class _Default:

@@ -329,7 +329,9 @@ def test_async_trains(cluster, update_on):
     finals = [lines[0]["final"] for lines in results]
     for lines in results:
         losses = lines[0]["losses"]
-        assert losses[-1] < 0.5 * start and abs(lines[0]["final"] - ref) < 0.1 * start, (losses, ref)
+        # Async interleaving depends on scheduling (a loaded machine gives staler gradients), so the
+        # run must train, and land near the every-push reference, but not match it exactly.
+        assert losses[-1] < 0.5 * start and abs(lines[0]["final"] - ref) < 0.25 * start, (losses, ref, start)
     assert finals[0] == pytest.approx(finals[1], rel=1e-6)    # both read the servers' weights at the end
     assert results[0][0]["last"] == results[1][0]["last"] in (0, 1)
     assert "use root_rank=0" in results[0][0]["refused"]        # dist_async cannot sum a broadcast

@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 from kvps.errors import ConfigError, KVPSError, KVTimeoutError, NodeFailure
+from kvps.launcher import parse_env
 
 from .job import JOB_TIMEOUT, EmulatedJob, run_job
 from .network import Network, NotPermitted, parse_rate, permitted, show_rate
@@ -153,12 +154,7 @@ def cmd_run(args):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise ConfigError("no worker command given: kvps emulate -n W -s S -- python train.py")
-    env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--env {item!r} is not KEY=VALUE")
-        env[key] = value
+    env = parse_env(args.env)
     parse_rate(args.rate)                  # a bad rate is a usage error, reported before any probing
     _require(args.delay_ms)
     codes = run_job(args.workers, args.servers, command, args.colocated, args.rate, args.delay_ms, args.mtu,
