@@ -245,9 +245,25 @@ class _Lines:
         return "".join(self.parts)
 
 
+def _sync_job(args, W, S, colocated, plan_path, env):
+    """Run one timing job on a fresh emulated network; {mode: result row}."""
+    from kvps.bench.pushpull import results
+
+    lines = _Lines(sys.stderr if args.verbose else None)
+    with Network() as net:
+        job = EmulatedJob(net, W, S, [sys.executable, "-m", "kvps.bench.kvps_worker", plan_path],
+                          colocated, env, lines)
+        net.up(job.hosts, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)
+        codes = job.run(args.timeout)
+    rows = {r["mode"]: r for r in results(lines.text())}
+    if any(codes) or len(rows) < 2:
+        raise NodeFailure(f"the job W={W} S={S} failed (worker exit codes {codes}); its output:\n"
+                          + lines.text()[-6000:])
+    return rows
+
+
 def cmd_sync(args):
     from kvps.bench import workloads
-    from kvps.bench.pushpull import results
 
     rate = parse_rate(args.rate)
     if args.steps < 1:
@@ -265,33 +281,28 @@ def cmd_sync(args):
         plan["sweep"][0]["reps"] = args.steps
         what = f"one {workloads.show_size(size)} array"
     _require(args.delay_ms)
-    print(f"kvps emulate sync: {what}, dist_sync, each host link {show_rate(rate)} both ways"
+    print(f"kvps emulate sync: {what}, dist_sync and ring all-reduce, each host link {show_rate(rate)} both ways"
           f"{f', {args.delay_ms:g} ms one way' if args.delay_ms else ''}, {os.cpu_count()} CPUs for every process; "
           f"median of {args.steps} timed steps. Bound: the busiest link direction at full rate "
           "(docs/emulate.md).", flush=True)
-    print("\n| W | S | servers | MB | push+pull ms | pushpull ms | PS bound ms | best/bound | ring bound ms |\n"
-          "|--:|--:|---|--:|--:|--:|--:|--:|--:|", flush=True)
+    print("\n| system | W | S | servers | MB | push+pull ms | pushpull ms | bound ms | best/bound |\n"
+          "|---|--:|--:|---|--:|--:|--:|--:|--:|", flush=True)
     env = {"KVPS_TIMEOUT": f"{max(30.0, args.timeout / 2):g}"}
     with tempfile.TemporaryDirectory(prefix="kvps-emulate-") as tmp:
-        plan_path = os.path.join(tmp, "plan.json")
-        with open(plan_path, "w") as f:
-            json.dump(plan, f)
-        for W, S, colocated in shapes:
-            lines = _Lines(sys.stderr if args.verbose else None)
-            with Network() as net:
-                job = EmulatedJob(net, W, S, [sys.executable, "-m", "kvps.bench.kvps_worker", plan_path],
-                                  colocated, env, lines)
-                net.up(job.hosts, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)
-                codes = job.run(args.timeout)
-            rows = {r["mode"]: r for r in results(lines.text())}
-            if any(codes) or len(rows) < 2:
-                raise NodeFailure(f"the job W={W} S={S} failed (worker exit codes {codes}); its output:\n"
-                                  + lines.text()[-6000:])
+        jobs = [("kvps PS dist_sync", W, S, colocated) for W, S, colocated in shapes]
+        jobs += [("kvps ring all-reduce", W, 0, False) for W in sorted({W for W, _, _ in shapes})]
+        for system, W, S, colocated in jobs:
+            plan["kvtype"] = "allreduce" if S == 0 else "dist_sync"
+            plan_path = os.path.join(tmp, f"plan-{plan['kvtype']}.json")
+            with open(plan_path, "w") as f:
+                json.dump(plan, f)
+            rows = _sync_job(args, W, S, colocated, plan_path, env)
             M = next(iter(rows.values()))["bytes"]
-            t = theory(M, rate, W, S, colocated)
+            t = theory(M, rate, W, max(S, 1), colocated)
+            bound = t.ring if S == 0 else t.ps
             best = min(r["ms"] for r in rows.values()) / 1e3
-            ratio = f"{best / t.ps:.2f}" if t.ps else "-"
-            print(f"| {W} | {S} | {'co-located' if colocated else 'dedicated'} | {M / 1e6:.1f} | "
-                  f"{rows['push+pull']['ms']:.0f} | {rows['pushpull']['ms']:.0f} | {t.ps * 1e3:.0f} | "
-                  f"{ratio} | {t.ring * 1e3:.0f} |", flush=True)
+            ratio = f"{best / bound:.2f}" if bound else "-"
+            placement = "-" if S == 0 else ("co-located" if colocated else "dedicated")
+            print(f"| {system} | {W} | {S} | {placement} | {M / 1e6:.1f} | {rows['push+pull']['ms']:.0f} | "
+                  f"{rows['pushpull']['ms']:.0f} | {bound * 1e3:.0f} | {ratio} |", flush=True)
     return OK

@@ -36,8 +36,9 @@ JOB_TIMEOUT = 600.0       # default deadline for a whole job
 def placement(workers, servers, colocated=False):
     """{node name: host name} for a job: H, S0.., W0.. (see the module docstring).
     Raises ConfigError for a shape that cannot be placed."""
-    if workers < 1 or servers < 1:
-        raise ConfigError(f"a job needs at least one worker and one server (got {workers} workers, {servers} servers)")
+    if workers < 1 or servers < 0:
+        raise ConfigError(f"a job needs at least one worker and no negative number of servers "
+                          f"(got {workers} workers, {servers} servers; 0 servers: a ring all-reduce job)")
     if colocated and servers > workers:
         raise ConfigError(f"{servers} co-located servers need at least {servers} worker hosts (got {workers} workers)")
     places = {"H": "h0"}
