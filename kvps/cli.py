@@ -116,7 +116,7 @@ def parser():
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     s.set_defaults(fn=cmd_launch)
 
-    s = sub.add_parser("bench", help="benchmarks: pushpull, kernels")
+    s = sub.add_parser("bench", help="benchmarks: pushpull, kernels, compare")
     s.add_argument("what", choices=("pushpull", "kernels", "compare"))
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
