@@ -94,11 +94,18 @@ class Job:
         raise KVTimeoutError(f"the scheduler did not print READY within {READY_TIMEOUT:g} s; it said:\n"
                              + "".join(lines))
 
-    def wait(self):
-        """Supervise until the workers finish; returns the job's exit code."""
+    def wait(self, timeout=None):
+        """Supervise until the workers finish; returns the job's exit code. With a timeout (seconds),
+        a job still running then is stopped and KVTimeoutError raised."""
         workers = [(n, p) for n, p in self.procs if n.startswith("W")]
         code = 0
+        give_up = None if timeout is None else time.monotonic() + timeout
         while True:
+            if give_up is not None and time.monotonic() > give_up:
+                self.stop()
+                running = ", ".join(n for n, p in workers if p.returncode is None or p.returncode < 0)
+                raise KVTimeoutError(f"the job did not finish within {timeout:g} s (workers still running: "
+                                     f"{running or 'none'}); stopped it")
             running = [p for _, p in workers if p.poll() is None]
             failed = [(n, p.returncode) for n, p in workers if p.returncode not in (None, 0)]
             if failed and code == 0:

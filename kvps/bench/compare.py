@@ -31,13 +31,12 @@ import os
 import shlex
 import sys
 import tempfile
-import threading
 import time
 
 from kvps.errors import KVPSError
 
 from . import compare_report, workloads
-from .pushpull import JobFailed, median_run, results
+from .pushpull import JobFailed, kvps_job, median_run, results
 
 SYSTEMS = ("sync", "async", "ring", "gloo", "mxnet")
 LABELS = {"sync": "PS sync", "async": "PS async", "ring": "kvps ring", "gloo": "gloo all-reduce",
@@ -186,67 +185,11 @@ def availability(args):
 
 
 # ---- running the jobs ----
-class _Lines:
-    """The output stream handed to kvps.launcher.Job: keeps every line, echoes with -v."""
-
-    def __init__(self, echo=None):
-        self._parts, self._echo = [], echo
-
-    def write(self, text):
-        self._parts.append(text)
-        if self._echo is not None:
-            self._echo.write(text)
-
-    def flush(self):
-        if self._echo is not None:
-            self._echo.flush()
-
-    def text(self):
-        return "".join(self._parts)
-
-
 def run_kvps(setup, plan_path, args):
     """One kvps job (Job(W, S) with compare_worker.py); its result rows. Raises JobFailed."""
-    from kvps.config import Config
-    from kvps.launcher import Job
-
-    env = _threads_env(args, setup.workers)
-    # A call that hangs inside a worker raises there (naming what it waits for), before the job's deadline.
-    env["KVPS_TIMEOUT"] = f"{min(Config.from_env().timeout, max(10.0, args.timeout / 2)):g}"
-    lines = _Lines(sys.stderr if args.verbose else None)
     cmd = [sys.executable, "-m", "kvps.bench.compare_worker", plan_path, KVTYPES[setup.system]]
-    job = Job(setup.workers, setup.servers, cmd, env=env, out=lines)
-    expired = threading.Event()
-
-    def expire():               # Job.wait() has no deadline of its own
-        expired.set()
-        job.stop()
-
-    watchdog = threading.Timer(args.timeout, expire)
-    watchdog.daemon = True
-    watchdog.start()
-    code, problem = 0, None
-    try:
-        job.start()
-        if expired.is_set():
-            job.stop()          # the deadline passed during start(): stop what it started after that
-        else:
-            code = job.wait()
-    except (KVPSError, OSError) as exc:
-        job.stop()
-        problem = f"did not start: {exc}"
-    except BaseException:       # Ctrl-C: the children run in their own sessions, so stop them here
-        job.stop()
-        raise
-    finally:
-        watchdog.cancel()
-    if expired.is_set():
-        problem = f"did not finish within --timeout {args.timeout:g} s"
-    elif code:
-        problem = f"failed (exit code {code})"
-    if problem:
-        raise JobFailed(f"the {setup.label} job {problem}; its output:\n{lines.text()[-6000:]}")
-    return results(lines.text())
+    return results(kvps_job(setup.workers, setup.servers, cmd, _threads_env(args, setup.workers), args.timeout,
+                            args.verbose, setup.label))
 
 
 def run_gloo(setup, plan_path, args, logdir):

@@ -22,10 +22,9 @@ import re
 import shlex
 import sys
 import tempfile
-import threading
 import time
 
-from kvps.errors import KVPSError
+from kvps.errors import KVPSError, KVTimeoutError
 
 from . import workloads
 from .workloads import KB, show_size
@@ -130,47 +129,38 @@ def results(text):
     return rows
 
 
-def run_kvps(args, plan_path):
+def kvps_job(workers, servers, command, env, timeout, verbose, label):
+    """Run a kvps job (kvps.launcher.Job) under a deadline; returns its prefixed output.
+    Raises JobFailed with the output when it fails or passes the deadline."""
     from kvps.config import Config
     from kvps.launcher import Job
 
     # A call that hangs inside a worker raises there (naming what it waits for), before the job's deadline.
-    env = {"KVPS_TIMEOUT": f"{min(Config.from_env().timeout, max(10.0, args.timeout / 2)):g}"}
-    lines = _Lines(sys.stderr if args.verbose else None)
-    job = Job(args.workers, args.servers, [sys.executable, "-m", "kvps.bench.kvps_worker", plan_path],
-              env=env, out=lines)
-    # Job.wait() has no deadline of its own: a watchdog stops the job when --timeout passes.
-    expired = threading.Event()
-
-    def expire():
-        expired.set()
-        job.stop()
-
-    watchdog = threading.Timer(args.timeout, expire)
-    watchdog.daemon = True
-    watchdog.start()
-    code, problem = 0, None
+    env = dict(env, KVPS_TIMEOUT=f"{min(Config.from_env().timeout, max(10.0, timeout / 2)):g}")
+    lines = _Lines(sys.stderr if verbose else None)
+    job = Job(workers, servers, command, env=env, out=lines)
+    start = time.monotonic()
     try:
         job.start()
-        if expired.is_set():
-            job.stop()          # the deadline passed during start(): stop what it started after that
-        else:
-            code = job.wait()
+        code = job.wait(timeout=max(0.0, timeout - (time.monotonic() - start)))
+        problem = f"failed (exit code {code})" if code else None
+    except KVTimeoutError:
+        problem = f"did not finish within --timeout {timeout:g} s"
     except (KVPSError, OSError) as exc:
         job.stop()
         problem = f"did not start: {exc}"
     except BaseException:       # Ctrl-C: the children run in their own sessions, so stop them here
         job.stop()
         raise
-    finally:
-        watchdog.cancel()
-    if expired.is_set():
-        problem = f"did not finish within --timeout {args.timeout:g} s"
-    elif code:
-        problem = f"failed (exit code {code})"
     if problem:
-        raise JobFailed(f"the kvps job {problem}; its output:\n{lines.text()[-6000:]}")
-    return results(lines.text())
+        raise JobFailed(f"the {label} job {problem}; its output:\n{lines.text()[-6000:]}")
+    return lines.text()
+
+
+def run_kvps(args, plan_path):
+    text = kvps_job(args.workers, args.servers, [sys.executable, "-m", "kvps.bench.kvps_worker", plan_path], {},
+                    args.timeout, args.verbose, "kvps")
+    return results(text)
 
 
 def run_mxnet(args, plan_path, logdir):
