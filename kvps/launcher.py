@@ -126,25 +126,39 @@ class Job:
                 code = daemons[0][1] if daemons[0][1] > 0 else 1
         for t in self._pumps:
             t.join(2)
-        return code if code >= 0 else 128 - code
+        return exit_code(code)
 
     def stop(self):
         """Terminate every child still running (SIGTERM, then SIGKILL)."""
-        live = [p for _, p in self.procs if p.poll() is None]
-        for p in live:
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                p.wait(5)
+        stop_processes([p for _, p in self.procs])
 
     def _say(self, text):
         with self._lock:
             self.out.write(f"[launch] {text}\n")
             self.out.flush()
+
+
+def stop_processes(procs, grace=5.0):
+    """SIGTERM each process still running (with its session: it was started with
+    start_new_session), then SIGKILL those still there after `grace` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass          # unkillable (stuck in the kernel); nothing more to do
+
+
+def exit_code(returncode):
+    """A shell-style exit code: a process killed by signal N gives 128 + N."""
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 def _signal(proc, sig):

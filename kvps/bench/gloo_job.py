@@ -11,10 +11,11 @@ a deadline, and a rank that fails stops the job at once.
 """
 import datetime
 import os
-import signal
 import subprocess
 import sys
 import time
+
+from kvps.launcher import exit_code, stop_processes
 
 TIMED_OUT = 124            # wait()'s result when the deadline passes (as timeout(1))
 STOP_TIMEOUT = 5.0         # seconds between SIGTERM and SIGKILL
@@ -66,12 +67,12 @@ class GlooJob:
             while any(p.poll() is None for _, p in self.procs):
                 failed = self.failed()
                 if failed:
-                    return _code(failed[0][1])
+                    return exit_code(failed[0][1])
                 if time.monotonic() > deadline:
                     return TIMED_OUT
                 time.sleep(POLL)
             failed = self.failed()
-            return _code(failed[0][1]) if failed else 0
+            return exit_code(failed[0][1]) if failed else 0
         finally:
             self.stop()
 
@@ -82,19 +83,7 @@ class GlooJob:
     def stop(self):
         """SIGTERM every rank still running, then SIGKILL those still there after STOP_TIMEOUT;
         then close the store."""
-        live = [p for _, p in self.procs if p.poll() is None]
-        for p in live:
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                try:
-                    p.wait(STOP_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    pass          # unkillable (stuck in the kernel); nothing more we can do
+        stop_processes([p for _, p in self.procs], STOP_TIMEOUT)
         self.store = None
 
     def output(self, name):
@@ -108,14 +97,3 @@ class GlooJob:
             status = "running" if proc.poll() is None else f"exit {proc.returncode}"
             parts.append(f"--- gloo {name} ({status})\n{self.output(name)[-tail:].rstrip()}")
         return "\n".join(parts)
-
-
-def _code(returncode):
-    return returncode if returncode > 0 else 128 - returncode
-
-
-def _signal(proc, sig):
-    try:
-        os.killpg(proc.pid, sig)      # the rank's own session: it and anything it started
-    except ProcessLookupError:
-        pass

@@ -11,10 +11,11 @@ and only those children (by pid, with their process groups) are ever signalled.
 Every wait has a deadline; a child that fails stops the job at once.
 """
 import os
-import signal
 import socket
 import subprocess
 import time
+
+from kvps.launcher import exit_code, stop_processes
 
 TIMED_OUT = 124            # wait()'s result when the deadline passes (as timeout(1))
 DRAIN_TIMEOUT = 30.0       # seconds for scheduler and servers to exit after the workers
@@ -101,7 +102,7 @@ class MXNetJob:
             while any(p.poll() is None for p in workers):
                 failed = self.failed()
                 if failed:
-                    return _code(failed[0][1])
+                    return exit_code(failed[0][1])
                 if time.monotonic() > deadline:
                     return TIMED_OUT
                 time.sleep(POLL)
@@ -109,7 +110,7 @@ class MXNetJob:
             while any(p.poll() is None for _, p in self.procs) and time.monotonic() < drain:
                 time.sleep(POLL)
             failed = self.failed()
-            return _code(failed[0][1]) if failed else 0
+            return exit_code(failed[0][1]) if failed else 0
         finally:
             self.stop()
 
@@ -119,19 +120,7 @@ class MXNetJob:
 
     def stop(self):
         """SIGTERM every child still running, then SIGKILL those still there after STOP_TIMEOUT."""
-        live = [p for _, p in self.procs if p.poll() is None]
-        for p in live:
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                try:
-                    p.wait(STOP_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    pass          # unkillable (stuck in the kernel); nothing more we can do
+        stop_processes([p for _, p in self.procs], STOP_TIMEOUT)
 
     def output(self, name):
         with open(self._log(name), errors="replace") as f:
@@ -145,14 +134,3 @@ class MXNetJob:
             status = "running" if proc.poll() is None else f"exit {proc.returncode}"
             parts.append(f"--- MXNet {name} ({status})\n{text.rstrip()}")
         return "\n".join(parts)
-
-
-def _code(returncode):
-    return returncode if returncode > 0 else 128 - returncode
-
-
-def _signal(proc, sig):
-    try:
-        os.killpg(proc.pid, sig)      # the child's own session: it and anything it started
-    except ProcessLookupError:
-        pass
