@@ -156,6 +156,29 @@ def stop_processes(procs, grace=5.0):
                 pass          # unkillable (stuck in the kernel); nothing more to do
 
 
+def wait_children(procs, timeout, drain=0.0, poll=0.05):
+    """Wait for [(name, Popen)] whose workers are named W*: until every worker has exited (then up
+    to `drain` seconds more for the rest), a child fails, or `timeout` passes. Returns 0, the first
+    failure's exit code, or None on timeout. Stops nothing: the caller stops its own children."""
+    deadline = time.monotonic() + timeout
+    workers = [p for n, p in procs if n.startswith("W")]
+
+    def failure():
+        failed = [p.returncode for _, p in procs if p.poll() not in (None, 0)]
+        return exit_code(failed[0]) if failed else 0
+
+    while any(p.poll() is None for p in workers):
+        if failure():
+            return failure()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(poll)
+    until = min(deadline, time.monotonic() + drain)
+    while any(p.poll() is None for _, p in procs) and time.monotonic() < until:
+        time.sleep(poll)
+    return failure()
+
+
 def exit_code(returncode):
     """A shell-style exit code: a process killed by signal N gives 128 + N."""
     return returncode if returncode >= 0 else 128 - returncode

@@ -20,7 +20,7 @@ import time
 import zmq
 
 from . import protocol
-from .errors import ProtocolError, VersionMismatch, describe
+from .errors import ProtocolError, describe
 
 log = logging.getLogger("kvps.transport")
 
@@ -237,11 +237,8 @@ class Van:
         if source[0] == "client" and frames:
             # Answer a peer that can read our errors; it may be waiting for this id.
             request_id = _request_id(frames[0])
-            kind = "protocol"
             message = f"{self.name} refused the message: {describe(exc)}"
-            if isinstance(exc, VersionMismatch):
-                message = f"{self.name} refused the message: {describe(exc)}"
-            err = protocol.error_header(request_id, self.name, kind, message)
+            err = protocol.error_header(request_id, self.name, "protocol", message)
             self._reply_now(source[1], [err.encode()], None)
         if self._on_bad is not None:
             self._on_bad(source, exc)

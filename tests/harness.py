@@ -23,6 +23,15 @@ FAST_ENV = {
 }
 
 
+def run_command(argv, cwd, timeout):
+    """Run a command to completion; a hang past `timeout` fails the test with its output so far.
+    (Commands such as the benchmarks keep their own deadlines; this one is the last resort.)"""
+    try:
+        return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{' '.join(argv[:5])} hung past {timeout} s\n{exc.stdout}\n{exc.stderr}") from None
+
+
 def read_ready(proc, timeout, what):
     """The HOST:PORT of a READY line on proc's stdout, within `timeout` seconds."""
     import selectors

@@ -5,11 +5,12 @@ fast and loudly (never hangs) when a job passes its deadline.
 """
 import json
 import math
-import subprocess
 import sys
 import time
 
 import pytest
+
+from harness import run_command
 
 from kvps.bench import workloads
 
@@ -17,11 +18,7 @@ BENCH = [sys.executable, "-m", "kvps.cli", "bench", "pushpull"]
 
 
 def run_bench(args, cwd, timeout=60):
-    # --timeout inside the bench stops its own children first; this timeout is the last resort.
-    try:
-        return subprocess.run(BENCH + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the bench hung past {timeout} s\n{exc.stdout}\n{exc.stderr}") from None
+    return run_command(BENCH + args, cwd, timeout)
 
 
 def table_rows(stdout):

@@ -4,11 +4,12 @@ The benchmark measures speed; these tests check only that it runs every setup, r
 in its table, its JSON and its PNG, and fails fast and loudly (never hangs) past a deadline.
 """
 import json
-import subprocess
 import sys
 import time
 
 import pytest
+
+from harness import run_command
 
 from kvps.bench import compare
 
@@ -32,11 +33,7 @@ def _torch_parts():
 
 
 def run_bench(args, cwd, timeout=90):
-    # --timeout inside the bench stops its own children first; this timeout is the last resort.
-    try:
-        return subprocess.run(BENCH + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the bench hung past {timeout} s\n{exc.stdout}\n{exc.stderr}") from None
+    return run_command(BENCH + args, cwd, timeout)
 
 
 def table_rows(stdout):

@@ -13,9 +13,8 @@ import datetime
 import os
 import subprocess
 import sys
-import time
 
-from kvps.launcher import exit_code, stop_processes
+from kvps.launcher import stop_processes, wait_children
 
 TIMED_OUT = 124            # wait()'s result when the deadline passes (as timeout(1))
 STOP_TIMEOUT = 5.0         # seconds between SIGTERM and SIGKILL
@@ -62,23 +61,12 @@ class GlooJob:
     def wait(self, timeout):
         """0 when every rank exited cleanly, the first failure's exit code (a signal as 128+signal),
         or TIMED_OUT. Every rank is stopped on return."""
-        deadline = time.monotonic() + timeout
         try:
-            while any(p.poll() is None for _, p in self.procs):
-                failed = self.failed()
-                if failed:
-                    return exit_code(failed[0][1])
-                if time.monotonic() > deadline:
-                    return TIMED_OUT
-                time.sleep(POLL)
-            failed = self.failed()
-            return exit_code(failed[0][1]) if failed else 0
+            code = wait_children(self.procs, timeout, poll=POLL)
+            return TIMED_OUT if code is None else code
         finally:
             self.stop()
 
-    def failed(self):
-        """[(name, exit code)] of the ranks that have exited with an error, in rank order."""
-        return [(n, p.returncode) for n, p in self.procs if p.poll() not in (None, 0)]
 
     def stop(self):
         """SIGTERM every rank still running, then SIGKILL those still there after STOP_TIMEOUT;

@@ -13,9 +13,8 @@ Every wait has a deadline; a child that fails stops the job at once.
 import os
 import socket
 import subprocess
-import time
 
-from kvps.launcher import exit_code, stop_processes
+from kvps.launcher import stop_processes, wait_children
 
 TIMED_OUT = 124            # wait()'s result when the deadline passes (as timeout(1))
 DRAIN_TIMEOUT = 30.0       # seconds for scheduler and servers to exit after the workers
@@ -96,27 +95,12 @@ class MXNetJob:
         Returns 0 when all exited cleanly, the first failure's exit code (a signal as
         128+signal) when a child failed, or TIMED_OUT. Every child is stopped on return.
         """
-        deadline = time.monotonic() + timeout
-        workers = [p for n, p in self.procs if n.startswith("W")]
         try:
-            while any(p.poll() is None for p in workers):
-                failed = self.failed()
-                if failed:
-                    return exit_code(failed[0][1])
-                if time.monotonic() > deadline:
-                    return TIMED_OUT
-                time.sleep(POLL)
-            drain = min(deadline, time.monotonic() + DRAIN_TIMEOUT)
-            while any(p.poll() is None for _, p in self.procs) and time.monotonic() < drain:
-                time.sleep(POLL)
-            failed = self.failed()
-            return exit_code(failed[0][1]) if failed else 0
+            code = wait_children(self.procs, timeout, DRAIN_TIMEOUT, poll=POLL)
+            return TIMED_OUT if code is None else code
         finally:
             self.stop()
 
-    def failed(self):
-        """[(name, exit code)] of the children that have exited with an error, in start order."""
-        return [(n, p.returncode) for n, p in self.procs if p.poll() not in (None, 0)]
 
     def stop(self):
         """SIGTERM every child still running, then SIGKILL those still there after STOP_TIMEOUT."""
