@@ -2,7 +2,7 @@
 
     kvps scheduler --port 0 --num-workers 2 --num-servers 1
     kvps server --scheduler 127.0.0.1:9091 [--plugin my_rules]
-    kvps launch -n 2 -s 1 [--launcher local|ssh] [-H hostfile] [--env K=V] -- python train.py
+    kvps launch -n 2 -s 1 [--launcher local|ssh] [-H hostfile] [--env K=V] [--straggler 1=fixed:0.05] -- python train.py
     kvps bench pushpull|kernels|compare [options]
     kvps emulate -n 4 -s 1 -- python train.py                   # on emulated hosts (root)
     kvps info
@@ -65,12 +65,13 @@ def cmd_launch(args):
     from . import launcher
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     env = launcher.parse_env(args.env)
+    worker_env = launcher.straggler_env(args.straggler, args.num_workers, args.straggler_seed)
     if args.launcher == "ssh":
         if not args.hostfile:
             raise KVPSError("--launcher ssh needs -H HOSTFILE")
         return launcher.launch_ssh(args.num_workers, args.num_servers, command, args.hostfile, args.port, env,
-                                   dry_run=args.dry_run)
-    return launcher.launch_local(args.num_workers, args.num_servers, command, env)
+                                   dry_run=args.dry_run, worker_env=worker_env)
+    return launcher.launch_local(args.num_workers, args.num_servers, command, env, worker_env)
 
 
 def cmd_bench(args):
@@ -113,6 +114,10 @@ def parser():
     s.add_argument("--port", type=int, default=9091, help="scheduler port for --launcher ssh")
     s.add_argument("--dry-run", action="store_true", help="with ssh: print the commands, start nothing")
     s.add_argument("--env", action="append", default=[], help="KEY=VALUE for every process (repeatable)")
+    s.add_argument("--straggler", action="append", default=[], metavar="RANK=SPEC",
+                   help="slow worker RANK by an extra delay per step: fixed:S, exp:MEAN or uniform:LO:HI "
+                        "seconds (repeatable; see kvps/straggler.py)")
+    s.add_argument("--straggler-seed", type=int, default=0, help="seed of random straggler delays")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     s.set_defaults(fn=cmd_launch)
 

@@ -46,6 +46,9 @@ VARIABLES = (
     Var("KVPS_RING_CHUNK_BYTES", 1 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
                                                "sending and reducing overlap"),
     Var("KVPS_KERNELS", "auto", str, "compute-kernel backend: auto, c, cuda, numba or numpy"),
+    Var("KVPS_STRAGGLER", None, str, "slow this worker down by an extra delay per step: fixed:S, exp:MEAN or "
+                                      "uniform:LO:HI seconds (kvps launch --straggler sets it; see kvps/straggler.py)"),
+    Var("KVPS_STRAGGLER_SEED", 0, int, "seed of the random straggler delays (with the worker's rank)"),
     Var("KVPS_LOG_LEVEL", "WARNING", str, "logging level of kvps's loggers (DEBUG shows every message)"),
 )
 
@@ -104,6 +107,8 @@ class Config:
     fusion_bytes: int = 64 << 20
     ring_chunk_bytes: int = 1 << 20
     kernels: str = "auto"
+    straggler: str = None
+    straggler_seed: int = 0
     log_level: str = "WARNING"
 
     @classmethod
@@ -130,6 +135,9 @@ class Config:
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"KVPS_HEARTBEAT_TIMEOUT={self.heartbeat_timeout} must exceed "
                               f"KVPS_HEARTBEAT_INTERVAL={self.heartbeat_interval}")
+        if self.straggler:
+            from .straggler import parse
+            parse(self.straggler)
         if self.bigarray_bound < 1:
             raise ConfigError(f"KVPS_BIGARRAY_BOUND={self.bigarray_bound} must be at least 1")
 

@@ -48,6 +48,9 @@ def create(name="local", **options):
     return DistKVStore(name, TYPES[name], **options)
 
 
+_UNSET = object()
+
+
 def _check_key(key):
     if isinstance(key, bool) or not isinstance(key, (int, str)):
         raise TypeError(f"key {key!r} is a {type(key).__name__}; keys are int or str")
@@ -85,6 +88,7 @@ class KVStore(abc.ABC):
         self._keys = {}            # key -> KeyInfo
         self._pending = collections.deque()   # handles of asynchronous calls (handle.remember)
         self._closed = False
+        self._straggler = _UNSET   # built from the config on the first push
 
     # ---- identity ----
     @property
@@ -227,7 +231,24 @@ class KVStore(abc.ABC):
                 merged = np.empty(info.shape, info.dtype)
                 kernels.sum_sources(merged.reshape(-1), [a.reshape(-1) for a in arrays])
             items.append((info, merged))
+        if op in ("push", "pushpull"):
+            self._straggle([info.key for info, _ in items])
         return items
+
+    def _straggle(self, keys):
+        """A worker that the launcher made a straggler sleeps here once per step (kvps/straggler.py)."""
+        if self._straggler is _UNSET:
+            from .config import Config
+            from .straggler import Straggler
+            cfg = getattr(self, "cfg", None) or Config.from_env()
+            self._straggler = Straggler.from_config(cfg, self.rank)
+        if self._straggler is not None:
+            self._straggler.before_push(keys)
+
+    @property
+    def straggled(self):
+        """Seconds this worker has slept as a launcher-made straggler (0.0 when it is none)."""
+        return 0.0 if self._straggler in (None, _UNSET) else self._straggler.total
 
     def _outs(self, keys, outs, op):
         """[(KeyInfo, [Out])], every out checked before anything is sent."""

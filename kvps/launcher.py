@@ -34,7 +34,7 @@ def _pump(proc, prefix, out, lock):
 class Job:
     """The processes of one local job, each started and stopped by this object only."""
 
-    def __init__(self, num_workers, num_servers, command, env=None, out=None, python=None):
+    def __init__(self, num_workers, num_servers, command, env=None, out=None, python=None, worker_env=None):
         if num_workers < 1 or num_servers < 0:
             raise ConfigError(f"a job needs at least one worker and no negative number of servers "
                               f"(got -n {num_workers} -s {num_servers})")
@@ -44,6 +44,7 @@ class Job:
         self.command = list(command)
         self.python = python or sys.executable
         self.env = dict(os.environ, **(env or {}))
+        self.worker_env = worker_env or {}      # rank -> extra variables for that worker only
         self.out = out or sys.stdout
         self.procs = []            # (name, Popen)
         self._lock = threading.Lock()
@@ -77,7 +78,8 @@ class Job:
             self._start(f"S{rank}", [self.python, "-m", "kvps.server"],
                         dict(base, KVPS_ROLE="server", KVPS_RANK=str(rank)))
         for rank in range(self.num_workers):
-            self._start(f"W{rank}", self.command, dict(base, KVPS_ROLE="worker", KVPS_RANK=str(rank)))
+            self._start(f"W{rank}", self.command, dict(base, KVPS_ROLE="worker", KVPS_RANK=str(rank),
+                                                      **self.worker_env.get(rank, {})))
         return self
 
     def _await_ready(self, proc):
@@ -191,8 +193,15 @@ def _signal(proc, sig):
         pass
 
 
-def launch_local(num_workers, num_servers, command, env=None):
-    job = Job(num_workers, num_servers, command, env).start()
+def straggler_env(items, num_workers, seed=0):
+    """{rank: variables} that make the workers named by --straggler RANK=SPEC options stragglers."""
+    from .straggler import parse_assignments
+    return {rank: {"KVPS_STRAGGLER": str(spec), "KVPS_STRAGGLER_SEED": str(seed)}
+            for rank, spec in parse_assignments(items, num_workers).items()}
+
+
+def launch_local(num_workers, num_servers, command, env=None, worker_env=None):
+    job = Job(num_workers, num_servers, command, env, worker_env=worker_env).start()
     try:
         return job.wait()
     except KeyboardInterrupt:
@@ -223,31 +232,34 @@ def read_hostfile(path):
 
 
 def ssh_commands(num_workers, num_servers, command, hosts, scheduler_host, port, env=None, python="python3",
-                 cwd=None):
+                 cwd=None, worker_env=None):
     """The commands that start a job over ssh: [(name, argv)], scheduler first (run locally)."""
     cwd = cwd or os.getcwd()
     base = dict(env or {}, KVPS_SCHEDULER=f"{scheduler_host}:{port}", KVPS_NUM_WORKERS=str(num_workers),
                 KVPS_NUM_SERVERS=str(num_servers))
     cmds = [("H", [python, "-m", "kvps.scheduler", "--host", "0.0.0.0", "--port", str(port)])]
 
-    def remote(host, role, rank, argv):
+    def remote(host, role, rank, argv, extra=None):
         assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in
-                               sorted(dict(base, KVPS_ROLE=role, KVPS_RANK=str(rank)).items()))
+                               sorted(dict(base, KVPS_ROLE=role, KVPS_RANK=str(rank), **(extra or {})).items()))
         script = f"cd {shlex.quote(cwd)} && env {assignments} {' '.join(shlex.quote(a) for a in argv)}"
         return ["ssh", "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes", host, script]
 
     for rank in range(num_servers):
         cmds.append((f"S{rank}", remote(hosts[rank % len(hosts)], "server", rank, [python, "-m", "kvps.server"])))
     for rank in range(num_workers):
-        cmds.append((f"W{rank}", remote(hosts[rank % len(hosts)], "worker", rank, list(command))))
+        cmds.append((f"W{rank}", remote(hosts[rank % len(hosts)], "worker", rank, list(command),
+                                        (worker_env or {}).get(rank))))
     return cmds
 
 
-def launch_ssh(num_workers, num_servers, command, hostfile, port, env=None, dry_run=False, out=None):
+def launch_ssh(num_workers, num_servers, command, hostfile, port, env=None, dry_run=False, out=None,
+               worker_env=None):
     out = out or sys.stdout
     hosts = read_hostfile(hostfile)
     scheduler_host = socket.gethostbyname(socket.gethostname())
-    cmds = ssh_commands(num_workers, num_servers, command, hosts, scheduler_host, port, env)
+    cmds = ssh_commands(num_workers, num_servers, command, hosts, scheduler_host, port, env,
+                        worker_env=worker_env)
     if dry_run:
         for name, argv in cmds:
             out.write(f"[{name}] {shlex.join(argv)}\n")
