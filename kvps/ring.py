@@ -21,6 +21,7 @@ import threading
 import time
 
 import numpy as np
+import zmq
 
 from . import kernels
 from .arrays import Out, as_numpy
@@ -64,11 +65,17 @@ class Ring:
             self._cond.notify_all()
 
     def _send(self, seq, n, phase, step, chunk, piece):
-        piece = piece.copy()     # the buffer changes later in the collective; zmq must not see that
+        """Send a chunk of the buffer without copying it; returns a tracker that is done once zmq has
+        let go of the memory (the chunk must not change before that), or None for an empty chunk."""
         header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)],
                         meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk})
         header.src = self.node.name
-        self.node.van.send(self.right, header, [memoryview(piece.view(np.uint8))] if piece.nbytes else [])
+        if not piece.nbytes:
+            self.node.van.send(self.right, header, [])
+            return None
+        frame = zmq.Frame(memoryview(piece.view(np.uint8)), copy=False, track=True)
+        self.node.van.send(self.right, header, [frame])
+        return frame.tracker
 
     def _receive(self, slot, what, deadline):
         with self._cond:
@@ -123,6 +130,19 @@ class Ring:
         step_elems = max(1, self.cfg.ring_chunk_bytes // flat.itemsize)
         deadline = time.monotonic() + self.cfg.timeout
         code = dtype_code(flat.dtype)
+        sending = {}                     # chunk start -> tracker of the send still reading it
+
+        def send(phase, step, c, a, b):
+            sending[a] = self._send(seq, n, phase, step, c, flat[a:b])
+
+        def settle(a):
+            tracker = sending.pop(a, None)
+            if tracker is not None and not tracker.done:
+                try:
+                    tracker.wait(max(0.0, deadline - time.monotonic()))
+                except zmq.NotDone:
+                    raise KVTimeoutError(f"{what}: a chunk sent to {self.right} was still unsent after "
+                                         f"{self.cfg.timeout:g} s (KVPS_TIMEOUT)") from None
 
         def chunks(segment):
             lo, hi = bounds[segment], bounds[segment + 1]
@@ -136,18 +156,24 @@ class Ring:
                                     f"(do all workers make the same calls in the same order?)")
             return as_array(frame, entry)
 
+        # Each chunk is written at most once in each phase and sent after it is written; a write
+        # first waits until zmq has finished sending the chunk's earlier contents.
         for c, a, b in chunks(rank):                       # reduce-scatter, step 0: my own segment
-            self._send(seq, n, "rs", 0, c, flat[a:b])
+            send("rs", 0, c, a, b)
         for step in range(size - 1):
             for c, a, b in chunks((rank - step - 1) % size):
                 kernels.sum_into(flat[a:b], take("rs", step, c, a, b))
                 # forward at once: the next step (or the all-gather) sends exactly this chunk
-                self._send(seq, n, *(("rs", step + 1) if step < size - 2 else ("ag", 0)), c, flat[a:b])
+                send(*(("rs", step + 1) if step < size - 2 else ("ag", 0)), c, a, b)
         for step in range(size - 1):                       # all-gather
             for c, a, b in chunks((rank - step) % size):
-                flat[a:b] = take("ag", step, c, a, b)
+                received = take("ag", step, c, a, b)
+                settle(a)
+                flat[a:b] = received
                 if step < size - 2:
-                    self._send(seq, n, "ag", step + 1, c, flat[a:b])
+                    send("ag", step + 1, c, a, b)
+        for a in list(sending):                            # the caller may change the buffer next
+            settle(a)
 
 
 def fuse(arrays, limit):
@@ -223,7 +249,8 @@ class RingKVStore(KVStore):
         self._node.start()
         self._ring = Ring(self._node, self.cfg)
         self._engine = Engine(self._node.name, self.cfg.timeout)
-        self._stored = {}
+        self._stored = {}                # key -> value (for a plain sum: a view of its fusion buffer)
+        self._buffers = {}               # (keys, dtype) of a fused group -> its buffer, reused every call
         self._registry = Registry()
         self._updater = None
         self._close_at_exit()
@@ -241,13 +268,23 @@ class RingKVStore(KVStore):
             return handle
         return handle.wait()
 
-    def _allreduce_all(self, arrays, what, average=False):
-        """All-reduce private copies of `arrays`, fused; returns the results (views of the buffers)."""
+    def _allreduce_all(self, arrays, what, average=False, keys=None):
+        """All-reduce private copies of `arrays`, fused; returns the results (views of the buffers).
+
+        With `keys`, each fused group keeps its buffer for the next call with the same keys (fresh
+        memory costs page faults on every call); results stay valid until then."""
         results = [None] * len(arrays)
         limit = max(self.cfg.fusion_bytes, 1)
         for group in fuse(arrays, limit):
             total = sum(arrays[i].size for i in group)
-            buf = np.empty(total, arrays[group[0]].dtype)
+            dtype = arrays[group[0]].dtype
+            if keys is None:
+                buf = np.empty(total, dtype)
+            else:
+                name = (tuple(keys[i] for i in group), dtype.str)
+                buf = self._buffers.get(name)
+                if buf is None or buf.size != total:
+                    buf = self._buffers[name] = np.empty(total, dtype)
             offset = 0
             for i in group:
                 size = arrays[i].size
@@ -269,11 +306,12 @@ class RingKVStore(KVStore):
         self._run(f"init of {len(items)} keys", job)
 
     def _apply(self, items):
-        for (info, _), total in zip(items, self._allreduce_all([a for _, a in items], "push")):
+        keys = [info.key for info, _ in items]
+        for (info, _), total in zip(items, self._allreduce_all([a for _, a in items], "push", keys=keys)):
             if self._updater is not None:
                 self._updater((info.key, 0), self._stored[info.key], total)
             else:
-                self._stored[info.key][...] = total
+                self._stored[info.key] = total      # the sum is the value: no copy (see _buffers)
 
     def push(self, key, value, priority=0, async_op=False):
         items = self._values(key, value, "push")
@@ -343,6 +381,8 @@ class RingKVStore(KVStore):
         updater = self._registry.create(optimizer.spec())
 
         def job():
+            # Values that are views of fusion buffers become private: the updater changes them in place.
+            self._stored = {key: np.array(value) for key, value in self._stored.items()}
             self._updater = updater
         self._run("set_optimizer", job)
 
