@@ -1,4 +1,4 @@
-"""The distributed kvstore: one worker of a parameter-server job (dist_sync, dist_async).
+"""The distributed kvstore: one worker of a parameter-server job (dist_sync, dist_async, dist_ssp).
 
 Each call is checked against what init declared, split into per-server
 requests (one message per server, carrying every key and part it holds), and
@@ -14,6 +14,7 @@ import numpy as np
 
 from . import compression, sharding
 from .config import Config
+from .consistency import Consistency
 from .errors import KVPSError, ProtocolError
 from .handle import remember
 from .kvstore import KeyInfo, KVStore
@@ -53,12 +54,18 @@ class Messages:
 
 
 class DistKVStore(KVStore):
+    """`consistency`: a kvps.consistency.Consistency, or its wire string ("sync", "ssp:4", ...);
+    kvps.create() builds it from the type name and options."""
 
-    def __init__(self, name, mode, config=None):
+    def __init__(self, name, consistency, config=None):
         super().__init__(name)
         self.cfg = config or Config.from_env()
-        self.mode = mode
-        self._node = Worker(self.cfg, meta={"mode": mode})
+        if not isinstance(consistency, Consistency):
+            consistency = Consistency.from_wire(consistency)
+        self.consistency = consistency
+        self.mode = consistency.mode
+        # Workers register the canonical string: the scheduler refuses a job whose workers differ.
+        self._node = Worker(self.cfg, meta={"mode": consistency.wire()})
         self._node.start()
         self._num_servers = len(self._node.membership["servers"])
         self._optimizer_generation = 0
@@ -69,6 +76,11 @@ class DistKVStore(KVStore):
             self.close()
             raise KVPSError(f"kvstore {name!r} needs servers, and this job has none "
                             f"(start it with kvps launch -s S, S >= 1, or use kvps.create('allreduce'))")
+        try:
+            consistency.check_workers(self.num_workers)
+        except ValueError as exc:
+            self.close()
+            raise ValueError(f"kvstore {name!r}: {exc}") from None
 
     rank = property(lambda self: self._node.rank)
     num_workers = property(lambda self: len(self._node.membership["workers"]))
@@ -241,7 +253,10 @@ class DistKVStore(KVStore):
         return int(self._node.barrier("workers")[1:])
 
     def server_stats(self):
-        """Each server's counters (pushes, pulls, rounds, kernel calls, ...), by server name."""
+        """Each server's counters (pushes, pulls, rounds, kernel calls, ...), by server name.
+        Consistency fields: "mode" (wire string), "dropped" (stale pushes dropped, backup workers),
+        "ssp_waits" (ssp pulls that waited), "staleness" (histogram: index i counts the pushes applied
+        i updates after their worker last pulled the key; kvps.consistency.total_staleness sums them)."""
         stats = {}
 
         def keep(header, payloads):

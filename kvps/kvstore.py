@@ -1,6 +1,8 @@
 """The kvstore API (MXNet's names and semantics) and `create`, which picks an implementation.
 
-    kv = kvps.create("dist_sync")         # local | dist_sync (dist) | dist_async | allreduce (ring)
+    kv = kvps.create("dist_sync")         # local | dist_sync (dist) | dist_async | dist_ssp:S | allreduce (ring)
+    kv = kvps.create("dist_ssp:4")        # consistency options: docs/consistency.md
+    kv = kvps.create("dist_sync", backup_workers=1)
     kv.init(3, np.zeros(10, np.float32))
     kv.push(3, grad); kv.pull(3, out=weight)
     kv.pushpull(3, grad)                  # out=None: the result goes into grad
@@ -24,28 +26,44 @@ import numpy as np
 
 from . import kernels
 from .arrays import Out, as_numpy, describe
+from .consistency import Consistency
 from .errors import KVKeyError
 
+# base type name -> implementation ("local", "allreduce") or the consistency mode of a dist kvstore
 TYPES = {
     "local": "local", "device": "local",
     "dist_sync": "sync", "dist": "sync", "dist_sync_device": "sync",
     "dist_async": "async",
+    "dist_ssp": "ssp",
     "allreduce": "allreduce",
 }
+VALID = ("local, device, dist_sync, dist, dist_sync_device (each also as NAME:backup=B, B backup workers), "
+         "dist_async, dist_ssp:S (S the staleness bound: an int >= 0, or inf), allreduce")
+CONSISTENCY_OPTIONS = ("staleness", "backup_workers")
 
 
 def create(name="local", **options):
-    """A kvstore of the given type; raises ValueError listing the valid types."""
-    if not isinstance(name, str) or name not in TYPES:
-        raise ValueError(f"unknown kvstore type {name!r}; valid types: {', '.join(TYPES)}")
-    if TYPES[name] == "local":
-        from .local import LocalKVStore
-        return LocalKVStore(name, **options)
-    if TYPES[name] == "allreduce":
+    """A kvstore of the given type: a name of TYPES, for a dist kvstore with its consistency options
+    after a ':' ("dist_ssp:4", "dist_ssp:inf", "dist_sync:backup=1") or as keywords
+    (staleness=4, backup_workers=1). Raises ValueError listing the valid types, or naming a bad option."""
+    base, colon, suffix = name.partition(":") if isinstance(name, str) else (None, "", "")
+    kind = TYPES.get(base)
+    if kind is None or (colon and kind in ("local", "allreduce")):
+        raise ValueError(f"unknown kvstore type {name!r}; valid types: {VALID}")
+    if kind in ("local", "allreduce"):
+        given = [o for o in CONSISTENCY_OPTIONS if o in options]
+        if given:
+            raise ValueError(f"{given[0]}={options[given[0]]!r} applies to dist_ssp and dist_sync kvstores, "
+                             f"not {name!r}")
+        if kind == "local":
+            from .local import LocalKVStore
+            return LocalKVStore(name, **options)
         from .ring import RingKVStore
         return RingKVStore(name, **options)
+    consistency = Consistency.parse(kind, suffix, name=name, staleness=options.pop("staleness", None),
+                                    backup_workers=options.pop("backup_workers", None))
     from .dist import DistKVStore
-    return DistKVStore(name, TYPES[name], **options)
+    return DistKVStore(name, consistency, **options)
 
 
 _UNSET = object()

@@ -3,6 +3,7 @@
     kvps server --scheduler HOST:PORT [--plugin MODULE]
     python -m kvps.server ...                                    # the same
 
-Modules: store (values, sync rounds and async updates), updaters (server-side
+Modules: store (values, sync rounds, async and ssp updates), clocks (what each
+worker has pushed and seen: the consistency rules), updaters (server-side
 optimizer rules and their registry), server (the daemon: messages in, replies out).
 """

@@ -2,9 +2,11 @@
 
 Every request is checked in full before anything changes (a bad entry fails the
 whole request and loses nothing), then handed to the Store. Replies go out when
-the store calls back: at once for async pushes and plain pulls, when the round
-closes for sync pushes. Values are sent without copying; the store is told, so
-it does not change a value zmq is still reading.
+the store calls back: at once for async and ssp pushes and plain pulls, when the
+round closes for sync pushes, when the slowest worker catches up for ssp pulls.
+Values are sent without copying; the store is told, so it does not change a value
+zmq is still reading. A job whose consistency mode this server cannot run gets
+every request answered with the reason (the server stays up until the job ends).
 """
 import logging
 import math
@@ -78,6 +80,7 @@ class Server(Node):
         self.host = advertised_host(cfg)
         self.van.bind(self.host, cfg.port)
         self.store = None
+        self.refusal = None                     # why this job cannot be served (its mode), if it cannot
         self.early = []                         # requests that came before the membership table
         self.optimizer = (0, None)              # (generation, spec)
         self.exit_code = None
@@ -91,7 +94,14 @@ class Server(Node):
 
     # ---- node hooks (I/O thread) ----
     def on_membership(self, meta):
-        self.store = Store(len(meta["workers"]), meta["mode"], sent_timeout=self.cfg.timeout)
+        try:
+            self.store = Store(len(meta["workers"]), meta["mode"], sent_timeout=self.cfg.timeout)
+            log.info("%s: consistency %s", self.name, self.store.consistency.wire())
+        except (ProtocolError, ValueError) as exc:
+            # Not fatal here: every request is answered with the reason, so the workers fail with a
+            # clear message, and the scheduler still ends the job when they leave.
+            self.refusal = type(exc)(f"{self.name} cannot serve this job: {describe(exc)}")
+            log.error("%s", self.refusal)
         # Workers get the table at the same moment we do and may already have sent requests.
         early, self.early = self.early, []
         for request in early:
@@ -126,6 +136,8 @@ class Server(Node):
             handler = self._handlers[header.op]
         except KeyError:
             return self.reply_error(routing_id, header, ProtocolError(f"a server does not handle {header.op.name}"))
+        if self.refusal is not None:
+            return self.reply_error(routing_id, header, self.refusal)
         try:
             if self.store is None:
                 if len(self.early) >= MAX_EARLY:
@@ -235,7 +247,7 @@ class Server(Node):
 
     def _stats(self, routing_id, header, payloads, worker):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
-                    keys=len(self.store.slots), mode=self.store.mode)
+                    keys=len(self.store.slots), mode=self.store.consistency.wire())
         self.van.reply(routing_id, Header(Op.STATS, header.id, self.name, meta=meta))
 
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,

@@ -1,9 +1,9 @@
-"""The values a server holds and how pushes change them: sync rounds and async updates.
+"""The values a server holds and how pushes change them: sync rounds, async and ssp updates.
 
 Pure logic, no sockets: the server daemon (and the single-process 'local' kvstore)
 call it on one thread and pass callbacks that deliver results:
 
-    store = Store(num_workers=2, mode="sync")
+    store = Store(num_workers=2, mode="sync")              # or a kvps.consistency.Consistency
     store.init(0, "w", 0, dtype, shape, array, done)       # done(None | exception)
     store.push(0, "w", 0, grad, done)                      # done(None | exception)
     store.pull(1, "w", 0, done)                            # done(ndarray | exception)
@@ -15,8 +15,20 @@ from a worker that has pushed into an open round waits for it, so push-then-pull
 always sees the worker's own push. A worker that pushes a key again before the
 round closes is queued for the next round.
 
+Backup workers (sync mode, "sync:backup=b"): a round closes after the first W - b
+pushes; a push from a worker that has not pulled the latest closed round is stale and
+dropped (acknowledged at once, stats["dropped"]), so a slow worker skips rounds instead
+of holding everyone back.
+
 Async mode: each push is applied when it arrives: the optimizer if one is set,
 otherwise the pushed value is added to the stored one (delta pushes, as BytePS).
+
+SSP mode ("ssp:s", stale synchronous parallel): pushes are applied as in async mode,
+but a pull from a worker that has pushed a key c times waits until every active
+worker has pushed it at least c - s times (stats["ssp_waits"] counts those that waited).
+
+Every applied push's staleness (updates since its worker last pulled the key) goes into
+stats["staleness"], a histogram. The per-mode bookkeeping lives in clocks.py.
 
 Join (sync mode, Horovod's join): a worker that has run out of data calls
 `worker_joined`; from then on it counts as pushing zeros into every round, so a
@@ -28,11 +40,12 @@ import logging
 import numpy as np
 
 from kvps import kernels
+from kvps.consistency import Consistency
 from kvps.errors import KVKeyError, KVValueError, NodeFailure
 
-log = logging.getLogger("kvps.server")
+from .clocks import WAIT, Clocks
 
-MODES = ("sync", "async")
+log = logging.getLogger("kvps.server")
 
 
 def _show(dtype, shape):
@@ -42,7 +55,7 @@ def _show(dtype, shape):
 class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
-                 "pushes", "rounds", "early", "pull_waiters", "merge", "sent")
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -53,8 +66,9 @@ class Slot:
         self.pending = []                # this round's pushed arrays
         self.in_round = set()            # workers that pushed into the open round
         self.acks = []                   # their callbacks
-        self.pushes = {}                 # worker -> pushes received (sync)
-        self.rounds = 0                  # rounds closed (sync)
+        self.pushes = {}                 # worker -> its clock (see clocks.py)
+        self.version = 0                 # updates applied: rounds closed (sync), pushes applied (async, ssp)
+        self.seen = {}                   # worker -> version its last pull received
         self.early = []                  # (worker, array, done) for a later round
         self.pull_waiters = []           # (worker, done, rows)
         self.merge = None                # scratch buffer for the round's sum
@@ -66,20 +80,26 @@ class Slot:
 
 
 class Store:
-    """All slots of one server, in one mode, with an optional updater."""
+    """All slots of one server, in one consistency mode, with an optional updater."""
 
     def __init__(self, num_workers, mode="sync", sent_timeout=60.0):
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        """`mode`: a Consistency or its wire string. Raises ProtocolError for a bad wire string and
+        ValueError for a mode this many workers cannot run (backups >= workers)."""
+        self.consistency = mode if isinstance(mode, Consistency) else Consistency.from_wire(mode)
+        self.consistency.check_workers(num_workers)
         self.num_workers = num_workers
-        self.mode = mode
+        self.mode = self.consistency.mode
+        self.clocks = Clocks(num_workers, self.consistency)
         self.updater = None
         self.slots = {}
-        self.gone = {}                   # worker -> reason it can no longer push
-        self.joined = set()              # workers that count as pushing zeros (sync; see worker_joined)
         self.sent_timeout = sent_timeout
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
-                      "bytes_out": 0, "joins": 0, "last_joined": -1}
+                      "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
+                      "staleness": self.clocks.staleness}
+
+    # workers that count as pushing zeros (see worker_joined), and those gone (worker -> why)
+    joined = property(lambda self: self.clocks.joined)
+    gone = property(lambda self: self.clocks.gone)
 
     # ---- checks (raise before anything changes) ----
     def slot(self, key, part, initialised=True):
@@ -141,17 +161,25 @@ class Store:
         slot = self.slot(key, part)
         self.stats["pushes"] += 1
         self.stats["bytes_in"] += array.nbytes
-        if self.mode == "async":
+        if self.mode != "sync":
             self._apply(slot, array)
+            self.clocks.pushed(slot, worker)
+            self.clocks.applied(slot, worker)
+            slot.version += 1
             done(None)
+            if self.consistency.bounded:
+                self._release_pulls(slot)
             return
         if self.gone:
-            reason = "; ".join(self.gone.values())
-            raise NodeFailure(f"the sync round of {slot.name()} can never close: {reason}")
+            raise NodeFailure(f"the sync round of {slot.name()} can never close: {self.clocks.gone_reason()}")
         if worker in self.joined:
             raise KVValueError(f"W{worker} pushed {slot.name()} after join(); a worker that has joined "
                                f"pushes nothing until every worker has joined")
-        slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
+        if self.clocks.stale(slot, worker):
+            self.stats["dropped"] += 1
+            done(None)
+            return
+        self.clocks.pushed(slot, worker)
         self._enter(slot, worker, array, done)
 
     def _enter(self, slot, worker, array, done):
@@ -161,17 +189,11 @@ class Store:
         slot.in_round.add(worker)
         slot.pending.append(array)
         slot.acks.append(done)
-        if self._complete(slot):
+        if self.clocks.round_complete(slot):
             self._close_round(slot)
 
-    def _complete(self, slot):
-        """Every worker has pushed into the open round, or has joined (and so pushes zeros)."""
-        if not self.joined:
-            return len(slot.in_round) == self.num_workers
-        return len(slot.in_round | self.joined) == self.num_workers
-
     def _close_round(self, slot):
-        pending, acks = slot.pending, slot.acks
+        pending, acks, members = slot.pending, slot.acks, slot.in_round
         # A joined worker's zeros count as its push, so its pulls never wait and its count stays in step.
         for worker in self.joined - slot.in_round:
             slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
@@ -181,14 +203,16 @@ class Store:
         except Exception as exc:
             # Every worker in the round hears of the failure; none waits for a reply that never comes.
             log.exception("%s: applying a round failed", slot.name())
-            slot.rounds += 1
+            slot.version += 1
             for ack in acks:
                 ack(exc)
             waiters, slot.pull_waiters = slot.pull_waiters, []
             for _, done, _ in waiters:
                 done(exc)
             return
-        slot.rounds += 1
+        for worker in members:
+            self.clocks.applied(slot, worker)
+        slot.version += 1
         self.stats["rounds"] += 1
         for ack in acks:
             ack(None)
@@ -236,24 +260,33 @@ class Store:
         if rows is not None:
             self.check_rows(slot, rows)
         self.stats["pulls"] += 1
-        if self.mode == "sync" and slot.pushes.get(worker, 0) > slot.rounds:
+        state = self.clocks.pull_state(slot, worker)
+        if state is WAIT:
+            if self.mode == "ssp":
+                self.stats["ssp_waits"] += 1
             slot.pull_waiters.append((worker, done, rows))
-            return
-        self._deliver(slot, done, rows)
+        elif state is None:
+            self._deliver(slot, worker, done, rows)
+        else:
+            done(state)
 
-    def _deliver(self, slot, done, rows):
+    def _deliver(self, slot, worker, done, rows):
         value = slot.value if rows is None else slot.value[rows]
         self.stats["bytes_out"] += value.nbytes
+        self.clocks.delivered(slot, worker)
         done(value)
 
     def _release_pulls(self, slot):
-        still = []
-        for worker, done, rows in slot.pull_waiters:
-            if slot.pushes.get(worker, 0) > slot.rounds:
-                still.append((worker, done, rows))
+        """Answer the waiting pulls that may return now (or never can)."""
+        waiters, slot.pull_waiters = slot.pull_waiters, []
+        for worker, done, rows in waiters:
+            state = self.clocks.pull_state(slot, worker)
+            if state is WAIT:
+                slot.pull_waiters.append((worker, done, rows))
+            elif state is None:
+                self._deliver(slot, worker, done, rows)
             else:
-                self._deliver(slot, done, rows)
-        slot.pull_waiters = still
+                done(state)
 
     # ---- zero-copy replies ----
     def sent(self, key, part, tracker):
@@ -274,21 +307,28 @@ class Store:
     # ---- membership ----
     def worker_joined(self, worker):
         """A worker has no more data. In sync mode, rounds it was the last one missing from close
-        now (async rounds wait for nobody). Once every worker has joined, all of them are active
-        again, so a later epoch runs as before, and stats["last_joined"] names the last one."""
+        now; in ssp mode, pulls that waited for it return (async rounds wait for nobody). Once
+        every worker has joined, all of them are active again, so a later epoch runs as before,
+        and stats["last_joined"] names the last one."""
         self.stats["joins"] += 1
         self.joined.add(worker)
         if self.mode == "sync":
             for slot in self.slots.values():
-                if slot.in_round and self._complete(slot):
+                if slot.in_round and self.clocks.round_complete(slot):
                     self._close_round(slot)
+        elif self.mode == "ssp":
+            for slot in self.slots.values():
+                self._release_pulls(slot)
         if len(self.joined) == self.num_workers:
             self.joined.clear()
             self.stats["last_joined"] = worker
 
     def worker_gone(self, worker, reason):
-        """A worker left or died: fail every sync round that waits for it."""
+        """A worker left or died: fail every sync round, and every ssp pull, that waits for it."""
         self.gone[worker] = reason
+        if self.mode == "ssp":
+            for slot in self.slots.values():
+                self._release_pulls(slot)
         if self.mode != "sync":
             return
         for slot in self.slots.values():
