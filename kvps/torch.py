@@ -9,9 +9,10 @@
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
     kt.join()                  # every worker calls it when its data runs out
 
-sync and allreduce: each gradient is sent (pushpull, summed over workers) from a backward hook as
-soon as it is ready; step() waits for those replies, divides by the number of workers and runs
-the wrapped torch optimizer locally. async: the servers run the optimizer (translated into
+sync and allreduce: gradients are grouped into buckets (as torch DDP groups them) and each bucket
+is sent (one pushpull, summed over workers) from a backward hook as soon as its last gradient is
+ready; step() waits for those replies, divides by the number of workers and runs the wrapped
+torch optimizer locally. async: the servers run the optimizer (translated into
 kvps.optimizer, MXNet's formulas) on each worker's gradient as it arrives and workers pull fresh
 weights; or, with update_on="worker", workers step locally and push weight deltas.
 
@@ -254,10 +255,35 @@ def server_optimizer(optimizer):
 
 # ---- the distributed optimizer ----
 
+BUCKET_BYTES = 25 << 20          # torch DDP's bucket_cap_mb
+FIRST_BUCKET_BYTES = 1 << 20     # DDP's first bucket: the last layers' gradients start travelling early
+
+
+def buckets(params, limit=BUCKET_BYTES, first=FIRST_BUCKET_BYTES):
+    """Group parameters as DDP does: [[indices into params]], in reverse order (the order backward
+    completes their gradients). A bucket ends where the dtype or device changes or the next
+    gradient would take it past `limit` bytes (the first bucket past min(limit, first)); a gradient
+    bigger than that is a bucket of its own. limit=0: one bucket per parameter."""
+    groups, current, size, kind = [], [], 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        cap = limit if groups else min(limit, first)
+        if current and ((p.dtype, p.device) != kind or size + nbytes > cap):
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        kind = (p.dtype, p.device)
+    if current:
+        groups.append(current)
+    return groups
+
+
 class _Distributed:
     """Mixed in before the wrapped optimizer's class; see DistributedOptimizer."""
 
-    def _setup(self, named, mode, compression, passes, kv, update_on):
+    def _setup(self, named, mode, compression, passes, kv, update_on, bucket_bytes):
         self._mode, self._kv, self._k = mode, kv, passes
         self._update_on = update_on
         self._names = [name for name, _ in named]
@@ -265,7 +291,19 @@ class _Distributed:
         prefix = _SESSION.prefix(kv, "o")
         self._keys = [prefix + name for name in self._names]
         n = len(self._params)
-        self._handles, self._passes = [None] * n, [0] * n
+        if mode == "async":
+            bucket_bytes = 0                           # each push is an update of its own on the servers
+        elif kv.type == "allreduce":                   # the ring fuses up to this much into one collective
+            bucket_bytes = min(bucket_bytes, kv.cfg.fusion_bytes)
+        self._buckets = buckets(self._params, bucket_bytes)
+        self._bucket_of = [0] * n
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        # The ring needs every worker to run the same collectives in the same order: send buckets in
+        # bucket order, whatever order their gradients complete in. Servers take keys in any order.
+        self._ordered = mode == "allreduce"
+        self._reset()
         self._skip = False
         if compression is not None:
             kv.set_gradient_compression({"type": compression} if isinstance(compression, str) else compression)
@@ -283,43 +321,75 @@ class _Distributed:
         if not (mode == "async" and update_on == "worker"):
             for i, p in enumerate(self._params):
                 p.register_post_accumulate_grad_hook(self._hook(i))
-        log.info("W%s: %s over %s (mode %s%s), %d parameters as keys %s*", kv.rank, type(self).__name__, kv.type,
-                 mode, f", updates on the {update_on}" if mode == "async" else "", n, prefix)
+        log.info("W%s: %s over %s (mode %s%s), %d parameters in %d buckets as keys %s*", kv.rank,
+                 type(self).__name__, kv.type, mode, f", updates on the {update_on}" if mode == "async" else "",
+                 n, len(self._buckets), prefix)
+
+    @property
+    def buckets(self):
+        """The parameter names of each bucket, in the order the buckets are sent."""
+        return [[self._names[i] for i in members] for members in self._buckets]
+
+    def _reset(self):
+        self._handles = [None] * len(self._buckets)
+        self._missing = [len(members) for members in self._buckets]   # gradients each bucket waits for
+        self._passes = [0] * len(self._params)
+        self._next = 0                                 # the first bucket not sent yet (ordered)
 
     def _hook(self, index):
         def hook(param):
             self._passes[index] += 1
-            if self._handles[index] is not None:
-                raise RuntimeError(f"a backward pass reached {self._names[index]!r} after its gradient was sent; "
-                                   f"call step() after every {self._k} backward pass(es) (backward_passes_per_step)")
-            if self._passes[index] >= self._k:
-                self._handles[index] = self._send(index)
+            if self._passes[index] > self._k:
+                raise RuntimeError(f"a backward pass reached {self._names[index]!r} after its gradient was sent "
+                                   f"(or queued with its bucket); call step() after every {self._k} backward "
+                                   f"pass(es) (backward_passes_per_step)")
+            if self._passes[index] == self._k:
+                b = self._bucket_of[index]
+                self._missing[b] -= 1
+                if self._missing[b] == 0:
+                    self._ready(b)
         return hook
 
-    def _send(self, index):
-        # Requests go out as hooks fire (last layer first); priority = -index ranks the first
-        # layers, which the next forward pass needs first, highest where a kvstore orders requests.
-        p, key = self._params[index], self._keys[index]
+    def _ready(self, b):
+        if not self._ordered:
+            self._handles[b] = self._send(b)
+            return
+        while self._next < len(self._buckets) and self._missing[self._next] == 0:
+            self._handles[self._next] = self._send(self._next)
+            self._next += 1
+
+    def _send(self, b):
+        """Send bucket b as one call (one fused collective on the ring; one message per server)."""
+        members = self._buckets[b]
+        # The first layers, which the next forward pass needs first, rank highest where a kvstore
+        # orders requests.
+        priority = -min(members)
         if self._mode != "async":
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)           # an unused parameter still takes part in the round
-            return self._kv.pushpull(key, p.grad, priority=-index, async_op=True)
+            for i in members:
+                p = self._params[i]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)       # an unused parameter still takes part in the round
+            return self._kv.pushpull([self._keys[i] for i in members], [self._params[i].grad for i in members],
+                                     priority=priority, async_op=True)
+        (i,) = members                                 # async: buckets of one
+        p, key = self._params[i], self._keys[i]
         if p.grad is None:
-            return self._kv.pull(key, out=self._fresh[index], priority=-index, async_op=True)
-        return self._kv.pushpull(key, p.grad, out=self._fresh[index], priority=-index, async_op=True)
+            return self._kv.pull(key, out=self._fresh[i], priority=priority, async_op=True)
+        return self._kv.pushpull(key, p.grad, out=self._fresh[i], priority=priority, async_op=True)
 
     def synchronize(self):
-        """Wait for every gradient's reduction (sending those whose hook has not fired: unused
-        parameters, or fewer backward passes than backward_passes_per_step) and average them
-        (sync, allreduce), or fetch the servers' fresh weights (async)."""
+        """Wait for every bucket's reduction (sending, in bucket order, those not sent yet: a bucket
+        with an unused parameter, which goes as zeros, or fewer backward passes than
+        backward_passes_per_step) and average the gradients (sync, allreduce), or fetch the servers'
+        fresh weights (async)."""
         if self._mode == "async" and self._update_on == "worker":
             return
-        for i in range(len(self._params)):
-            if self._handles[i] is None:
-                self._handles[i] = self._send(i)
+        for b in range(len(self._buckets)):
+            if self._handles[b] is None:
+                self._handles[b] = self._send(b)
         for handle in self._handles:
             handle.wait()
-        self._handles, self._passes = [None] * len(self._params), [0] * len(self._params)
+        self._reset()
         self._kv.wait_all()                            # all done: this only empties the kvstore's list
         with torch.no_grad():
             if self._mode != "async":
@@ -366,7 +436,7 @@ class _Distributed:
     def zero_grad(self, set_to_none=True):
         if any(h is not None for h in self._handles):
             raise RuntimeError("zero_grad() while gradients are being reduced: call step() or synchronize() first")
-        self._passes = [0] * len(self._params)
+        self._reset()
         super().zero_grad(set_to_none)
 
 
@@ -382,7 +452,7 @@ class _Skip:
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compression=None,
-                         backward_passes_per_step=1, kvstore=None, update_on=None):
+                         backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES):
     """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
 
     mode: "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
@@ -390,7 +460,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compress
     steps locally and pushes weight deltas). compression: None, "fp16", "bf16", "2bit", "1bit",
     "topk" or a dict as kv.set_gradient_compression takes. backward_passes_per_step: gradients
     accumulate locally (summed, as torch does) and are sent on every k-th backward pass.
-    kvstore: use this kvstore instead of the process's (kvps.torch.init).
+    kvstore: use this kvstore instead of the process's (kvps.torch.init). bucket_bytes (sync,
+    allreduce): gradients travel in buckets of about this size (25 MiB, as torch DDP; the first
+    bucket at most 1 MiB; on the ring at most KVPS_FUSION_BYTES), each bucket one pushpull, sent
+    when its last gradient is ready; 0 sends each parameter on its own. opt.buckets lists them.
 
     The result shares the wrapped optimizer's param groups and state; use it, not the original.
     Every worker must wrap the same parameters, with the same names, in the same order.
@@ -404,6 +477,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compress
         raise ValueError(f"update_on={update_on!r}: give 'server' or 'worker', and only with mode='async'")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 0 (0: one bucket per parameter)")
     named = _named(optimizer, named_parameters)
     kv = _SESSION.kvstore(mode, kvstore)
     if kv.type not in (SUMMING if mode != "async" else ASYNC if update_on != "worker" else {"dist_async"}):
@@ -416,7 +491,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compress
         if attr != "step":                             # an lr scheduler's patch of the original's step
             vars(opt).setdefault(attr, value)
     opt.state = optimizer.state
-    opt._setup(named, mode, compression, backward_passes_per_step, kv, update_on or "server")
+    opt._setup(named, mode, compression, backward_passes_per_step, kv, update_on or "server", bucket_bytes)
     return opt
 
 

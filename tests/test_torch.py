@@ -1,6 +1,7 @@
-"""kvps.torch: DistributedOptimizer in every mode against single-process training, broadcasts of
-parameters and optimizer state, join() with uneven data; in process (local kvstore, the store's
-join bookkeeping, the server-optimizer translation) and on real jobs (cluster fixture)."""
+"""kvps.torch: DistributedOptimizer in every mode against single-process training, gradient buckets
+(DDP's grouping, one collective per bucket, unused parameters), broadcasts of parameters and
+optimizer state, join() with uneven data; in process (local kvstore, the store's join bookkeeping,
+the server-optimizer translation) and on real jobs (cluster fixture)."""
 
 import numpy as np
 import pytest
@@ -26,6 +27,24 @@ STEPS, LR = 12, 0.1
 def make_model(seed=1):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+class Branchy(torch.nn.Module):
+    """make_model's network plus a layer only some batches use and one nothing uses."""
+    def __init__(self, seed=1):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.unused = torch.nn.Linear(3, 3)
+        self.fc1, self.extra, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(8, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, use_extra):
+        out = self.fc2(F.relu(self.fc1(x)))
+        return out + self.extra(x) if use_extra else out
+
+# its parameters' gradients as DDP buckets them with bucket_bytes=280 (the bytes in brackets)
+BRANCHY_BUCKETS = [["fc2.bias", "fc2.weight"],                      # [16 + 256]
+                   ["extra.bias", "extra.weight", "fc1.bias"],      # [16 + 128 + 64]
+                   ["fc1.weight"],                                  # [512]: the next one is past 280
+                   ["unused.bias", "unused.weight"]]                # [12 + 36]
 
 def batch(step):
     i = step % 2 * 32
@@ -116,6 +135,59 @@ def test_lr_scheduler_drives_the_wrapped_optimizer():
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.05
 
+
+# ---- gradient buckets ----
+
+def test_buckets_group_gradients_as_ddp_does():
+    t = lambda n, dtype=torch.float32: torch.zeros(n, dtype=dtype)     # noqa: E731
+    params = [t(10), t(10), t(5, torch.float64), t(100), t(2), t(2), t(2)]   # 40 40 40 400 8 8 8 bytes
+    # reverse order; a new bucket at the dtype change, past the limit, and for a tensor bigger than it
+    assert kt.buckets(params, limit=100) == [[6, 5, 4], [3], [2], [1, 0]]
+    assert kt.buckets(params, limit=100, first=16) == [[6, 5], [4], [3], [2], [1, 0]]   # DDP's small first bucket
+    assert kt.buckets(params, limit=0) == [[i] for i in reversed(range(7))]
+    assert kt.buckets(params, limit=1 << 30) == [[6, 5, 4, 3], [2], [1, 0]]
+    model = ns["Branchy"]()
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  bucket_bytes=280, kvstore=kvps.create("local"))
+    assert opt.buckets == ns["BRANCHY_BUCKETS"]
+    with pytest.raises(ValueError, match="bucket_bytes=-1"):
+        kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=-1,
+                                kvstore=kvps.create("local"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+@pytest.mark.parametrize("bucket_bytes", [0, 280, kt.BUCKET_BYTES], ids=["per-parameter", "4-buckets", "1-bucket"])
+def test_unused_parameters_go_as_zeros_at_step(mode, bucket_bytes):
+    F = torch.nn.functional
+    plain, model = ns["Branchy"](), ns["Branchy"]()
+    # no momentum: torch skips a parameter without a gradient, kvps.torch steps it with zeros (docs/torch.md)
+    ref = torch.optim.SGD(plain.parameters(), lr=ns["LR"])
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=ns["LR"]), model.named_parameters(),
+                                  mode=mode, bucket_bytes=bucket_bytes, kvstore=kvps.create("local"))
+    for step in range(4):
+        x, y = ns["batch"](step)
+        for net, o in ((plain, ref), (model, opt)):
+            o.zero_grad()
+            F.cross_entropy(net(x, use_extra=step % 2 == 0), y).backward()
+            o.step()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name                     # zeros for a missing gradient change nothing
+    assert torch.equal(model.unused.weight.grad, torch.zeros(3, 3))
+
+
+
+@pytest.mark.parametrize("mode, sent", [("sync", [True, False, True, False]),         # each when complete
+                                        ("allreduce", [True, False, False, False])])  # and in bucket order
+def test_buckets_go_during_backward_when_complete(mode, sent):
+    model = ns["Branchy"]()
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), mode=mode,
+                                  bucket_bytes=280, kvstore=kvps.create("local"))
+    x, y = ns["batch"](0)
+    torch.nn.functional.cross_entropy(model(x, use_extra=False), y).backward()
+    # bucket 1 waits for `extra` and bucket 3 for `unused` (until step()); on the ring bucket 2 waits for 1
+    assert [h is not None for h in opt._handles] == sent
+    opt.step()
+    assert opt._handles == [None] * 4
 
 # (torch optimizer, how close the servers' MXNet formulas come in 12 steps): docs/torch.md
 SERVER_RULES = [
@@ -225,8 +297,10 @@ out = lambda **kw: print(json.dumps(kw), flush=True)
 
 # broadcast_parameters: different starting weights on every rank, rank 0's afterwards
 model = make_model(seed=1 if r == 0 else 100 + r)
+BUCKET = int(os.environ["BUCKET_BYTES"])
 opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model.named_parameters(),
-                              mode=mode)
+                              mode=mode, bucket_bytes=BUCKET)
+out(stage="buckets", buckets=opt.buckets)
 kt.broadcast_parameters(model.state_dict(), root_rank=0)
 out(stage="broadcast", weights=flat(model))
 extra = {"bf16": torch.full((3, 2), r + 0.5).to(torch.bfloat16), "steps": torch.tensor(10 + r),
@@ -237,7 +311,7 @@ out(stage="broadcast_root1", extra={k: v.float().tolist() for k, v in extra.item
 out(stage="sync", losses=train(model, opt, STEPS, r, W))
 model2 = make_model()
 opt2 = kt.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=LR, momentum=0.9),
-                               model2.named_parameters(), mode=mode, backward_passes_per_step=2)
+                               model2.named_parameters(), mode=mode, backward_passes_per_step=2, bucket_bytes=BUCKET)
 out(stage="passes2", losses=train(model2, opt2, STEPS, r, W, passes=2))
 
 # broadcast_optimizer_state: rank 0 has stepped Adam (and a new lr), rank 1 has not
@@ -255,7 +329,8 @@ out(stage="optimizer_state", lr=state["param_groups"][0]["lr"], betas=list(state
 if os.environ.get("COMPRESSION"):
     model3 = make_model()
     opt3 = kt.DistributedOptimizer(torch.optim.SGD(model3.parameters(), lr=LR, momentum=0.9),
-                                   model3.named_parameters(), mode=mode, compression=os.environ["COMPRESSION"])
+                                   model3.named_parameters(), mode=mode, compression=os.environ["COMPRESSION"],
+                                   bucket_bytes=BUCKET)
     out(stage="compressed", losses=train(model3, opt3, STEPS, r, W))
 '''
 
@@ -264,10 +339,13 @@ if os.environ.get("COMPRESSION"):
 def test_sync_modes_match_single_process_training(cluster, mode):
     c = cluster(2, 1 if mode == "sync" else 0)
     results = [by_stage(lines) for lines in
-               c.run_workers(SYNC, timeout=90, env={"MODE": mode, "COMPRESSION": "fp16" if mode == "sync" else ""})]
+               c.run_workers(SYNC, timeout=90, env={"MODE": mode, "COMPRESSION": "fp16" if mode == "sync" else "",
+                                                    "BUCKET_BYTES": "300"})]
     ref = reference()
     start = ns["make_model"]()
     for rank, stages in enumerate(results):
+        # three buckets: each a multi-key pushpull (servers) or a fused collective (ring)
+        assert stages["buckets"]["buckets"] == [["2.bias", "2.weight"], ["0.bias"], ["0.weight"]]
         assert stages["broadcast"]["weights"] == ns["flat"](start), rank
         assert stages["broadcast_root1"]["extra"] == {"bf16": [[1.5, 1.5]] * 3, "steps": 11.0, "mask": [1.0, 1.0],
                                                       "nc": [[1.0] * 4] * 3}, rank
@@ -281,6 +359,57 @@ def test_sync_modes_match_single_process_training(cluster, mode):
     assert state["lr"] == 0.0123 and state["betas"] == [0.9, 0.999]
     assert len(state["state"]) == 4 and all(s["step"] == 3.0 for s in state["state"].values())
     assert c.wait_daemons() == [0] * (1 + c.servers)
+
+
+BUCKETS = COMMON + r'''
+kv = kt.init("allreduce")
+r, W = kv.rank, kv.num_workers
+result = {}
+for bucket_bytes in (280, 0):
+    model = Branchy()
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                                  model.named_parameters(), mode="allreduce", bucket_bytes=bucket_bytes)
+    collectives = []
+    for step in range(6):
+        x, y = batch(step)
+        opt.zero_grad()
+        before = kv._ring._next                           # the ring numbers its collectives
+        # only rank 0 uses `extra` (rank 1 sends zeros for it at step()); nobody uses `unused`
+        F.cross_entropy(model(x[r::W], use_extra=r == 0), y[r::W]).backward()
+        opt.step()
+        collectives.append(kv._ring._next - before)
+    result[bucket_bytes] = {"buckets": opt.buckets, "collectives": collectives, "weights": flat(model)}
+print(json.dumps(result), flush=True)
+'''
+
+
+def _branchy_reference(steps=6):
+    """One process: rank 0's half-batch through `extra`, rank 1's without, the two means averaged."""
+    F = torch.nn.functional
+    model = ns["Branchy"]()
+    opt = torch.optim.SGD(model.parameters(), lr=ns["LR"], momentum=0.9)
+    for step in range(steps):
+        x, y = ns["batch"](step)
+        opt.zero_grad()
+        sum(F.cross_entropy(model(x[r::2], use_extra=r == 0), y[r::2]) for r in range(2)).div(2).backward()
+        opt.step()
+    return ns["flat"](model)
+
+
+def test_allreduce_sends_one_collective_per_bucket(cluster):
+    c = cluster(2, 0)
+    results = [lines[0] for lines in c.run_workers(BUCKETS, timeout=60)]
+    ref = _branchy_reference()
+    for rank, result in enumerate(results):
+        bucketed, alone = result["280"], result["0"]
+        assert bucketed["buckets"] == ns["BRANCHY_BUCKETS"]
+        assert bucketed["collectives"] == [4] * 6, rank             # not the 8 of one per parameter
+        assert alone["collectives"] == [8] * 6, rank
+        # elementwise sums: buckets change nothing, bit for bit (two workers: a + b either way)
+        assert bucketed["weights"] == alone["weights"], rank
+        np.testing.assert_allclose(bucketed["weights"], ref, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+    assert results[0]["280"]["weights"] == results[1]["280"]["weights"]
+    assert c.wait_daemons() == [0]
 
 
 ASYNC = COMMON + r'''
