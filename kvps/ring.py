@@ -50,25 +50,27 @@ class Ring:
         self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame, n)
         self._cond = threading.Condition()
         self._next = 0                       # number of the next collective
+        self.epoch = 0                       # joins this worker has completed (see serve)
         node.peer_handler = self._on_message
 
     def _on_message(self, header, payloads):          # I/O thread
         meta = header.meta
         try:
             slot = (meta["seq"], meta["phase"], meta["step"], meta["chunk"])
-            entry, frame, n = header.keys[0], payloads[0], int(meta["n"])
+            entry, frame, n, epoch = header.keys[0], payloads[0], int(meta["n"]), int(meta.get("epoch", 0))
         except (KeyError, IndexError, TypeError, ValueError):
             log.warning("%s: malformed ring message %r dropped", self.node.name, header)
             return
         with self._cond:
-            self._inbox[slot] = (entry, frame, n)
+            self._inbox[slot] = (entry, frame, n, epoch)
             self._cond.notify_all()
 
     def _send(self, seq, n, phase, step, chunk, piece):
         """Send a chunk of the buffer without copying it; returns a tracker that is done once zmq has
         let go of the memory (the chunk must not change before that), or None for an empty chunk."""
         header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)],
-                        meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk})
+                        meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk,
+                              "epoch": self.epoch})
         header.src = self.node.name
         if not piece.nbytes:
             self.node.van.send(self.right, header, [])
@@ -87,7 +89,7 @@ class Ring:
                     raise KVTimeoutError(f"{what}: no data from {self.left} ({slot[1]} step {slot[2]}, chunk "
                                          f"{slot[3]}) within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
                 self._cond.wait(min(left, 0.25))
-            entry, frame, _ = self._inbox.pop(slot)
+            entry, frame, _, _ = self._inbox.pop(slot)
             return entry, frame
 
     def allreduce(self, flat, what, average=False):
@@ -102,13 +104,17 @@ class Ring:
 
     def serve(self, done, what):
         """Take part, with zeros, in the next collective the other workers start; returns False
-        (having served nothing) once `done()` is true. For a worker that has joined."""
+        (having served nothing) once `done()` is true. For a worker that has joined.
+
+        A collective started by a worker whose join has already ended (the last to join may be
+        quicker to see the barrier end than we are) carries the next epoch: it is not ours to
+        serve, so wait for the end of the join and leave it for the caller's next collective."""
         seq = self._next
         deadline = time.monotonic() + self.cfg.timeout
         with self._cond:
             while True:
                 found = next((v for k, v in self._inbox.items() if k[0] == seq), None)
-                if found is not None:
+                if found is not None and found[3] <= self.epoch:
                     break
                 if done():
                     return False
@@ -118,7 +124,7 @@ class Ring:
                     raise KVTimeoutError(f"{what}: neither a collective nor the end of the join "
                                          f"within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
                 self._cond.wait(0.05)
-        entry, _, n = found
+        entry, _, n, _ = found
         self._ring(np.zeros(n, numpy_dtype(entry.dtype)), what, self.size, self.rank)
         return True
 
@@ -369,6 +375,7 @@ class RingKVStore(KVStore):
             while self._ring.serve(barrier.done, f"W{self.rank} after join()"):
                 pass
             result["last"] = barrier.wait().meta.get("last")
+            self._ring.epoch += 1
         result = {}
         self._run("join", job)
         return int(result["last"][1:])

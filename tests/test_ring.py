@@ -93,3 +93,26 @@ def test_dead_peer_fails_the_ring_loudly(cluster):
     for i in range(2):
         assert procs[i].returncode == 3, c.logs()
         assert "W2" in c.output(f"W{i}")[-1]["message"]
+
+
+JOIN_RACE = r'''
+import json, time, numpy as np, kvps
+kv = kvps.create("allreduce")
+r = kv.rank
+x = np.full(5, r + 1.0, np.float32)
+if r == 0:
+    kvps.allreduce(x)                  # rank 1 has no data: it serves this one with zeros
+    time.sleep(0.2)                    # join last, then start the next collective at once
+last = kv.join()
+y = np.full(4, 10.0 * (r + 1), np.float32)
+kvps.allreduce(y)                      # the joined worker must not serve this one as if still joined
+print(json.dumps({"last": last, "x": x.tolist(), "y": y.tolist()}), flush=True)
+'''
+
+
+def test_join_ends_before_the_next_collective_however_late_it_is_seen(cluster):
+    c = cluster(2, 0)
+    (a,), (b,) = c.run_workers(JOIN_RACE, timeout=60)
+    assert a["x"] == [1.0] * 5 and a["last"] == b["last"] == 0
+    assert a["y"] == b["y"] == [30.0] * 4
+    assert c.wait_daemons() == [0]
