@@ -5,6 +5,7 @@
     kvps launch -n 2 -s 1 [--launcher local|ssh] [-H hostfile] [--env K=V] [--straggler 1=fixed:0.05] -- python train.py
     kvps bench pushpull|kernels|compare [options]
     kvps emulate -n 4 -s 1 -- python train.py                   # on emulated hosts (root)
+    kvps experiment --quick                                     # train real models in every mode; report
     kvps info
 """
 import argparse
@@ -129,6 +130,10 @@ def parser():
     sub.add_parser("emulate", add_help=False,
                    help="run a job on an emulated multi-host cluster: network namespaces, tc links (root)")
 
+    sub.add_parser("experiment", add_help=False,
+                   help="train real models under every consistency mode, with and without a straggler; "
+                        "write a report (docs/experiment.md)")
+
     s = sub.add_parser("info", help="print the kernel backend, CPU features and CUDA status")
     s.set_defaults(fn=cmd_info)
     return p
@@ -139,6 +144,9 @@ def main(argv=None):
     if argv[:1] == ["emulate"]:          # its own parser: options before and after "--"
         from .emulate import main as emulate_main
         return emulate_main(argv[1:])
+    if argv[:1] == ["experiment"]:       # its own parser too (kvps/experiment/cli.py)
+        from .experiment import main as experiment_main
+        return experiment_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         return args.fn(args) or 0

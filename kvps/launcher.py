@@ -201,8 +201,9 @@ def straggler_env(items, num_workers, seed=0):
 
 
 def launch_local(num_workers, num_servers, command, env=None, worker_env=None):
-    job = Job(num_workers, num_servers, command, env, worker_env=worker_env).start()
+    job = Job(num_workers, num_servers, command, env, worker_env=worker_env)
     try:
+        job.start()          # inside the try: Ctrl-C while starting must stop what has started
         return job.wait()
     except KeyboardInterrupt:
         job.stop()
