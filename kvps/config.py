@@ -43,7 +43,7 @@ VARIABLES = (
                                            "the server can answer early ones while later ones arrive"),
     Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
                                             "this size (Horovod's fusion threshold)"),
-    Var("KVPS_RING_CHUNK_BYTES", 1 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
+    Var("KVPS_RING_CHUNK_BYTES", 4 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
                                                "sending and reducing overlap"),
     Var("KVPS_KERNELS", "auto", str, "compute-kernel backend: auto, c, cuda, numba or numpy"),
     Var("KVPS_STRAGGLER", None, str, "slow this worker down by an extra delay per step: fixed:S, exp:MEAN or "
@@ -105,7 +105,7 @@ class Config:
     partition_bytes: int = 4 << 20
     message_bytes: int = 4 << 20
     fusion_bytes: int = 64 << 20
-    ring_chunk_bytes: int = 1 << 20
+    ring_chunk_bytes: int = 4 << 20
     kernels: str = "auto"
     straggler: str = None
     straggler_seed: int = 0
