@@ -284,3 +284,149 @@ def test_job_deadline_stops_everything(no_leaks):
         with pytest.raises(TimeoutError, match="W0 still running"):
             job.run(timeout=2)
         assert all(p.poll() is not None for p in job.procs.values())
+
+
+# ---- `kvps emulate sync`: choosing, ordering and tabulating the systems, pure ----
+from kvps.emulate import sync as emsync          # noqa: E402  (kept beside the tests that use it)
+from kvps.emulate.baselines import EmulatedGlooJob, EmulatedMXNetJob   # noqa: E402
+
+MXNET_PY = os.path.expanduser("~/mxvenv/bin/python")
+
+
+def test_parse_systems():
+    assert emsync.parse_systems("gloo, ps") == ["gloo", "ps"]
+    for bad, why in (("ps,horovod", "unknown system 'horovod'"), (",", "no system")):
+        with pytest.raises(ConfigError, match=why):
+            emsync.parse_systems(bad)
+
+
+@pytest.mark.parametrize("asked,mxnet,gloo_why,systems", [
+    (None, None, None, ["ps", "ring", "gloo"]),
+    (None, "/mx/python", None, ["ps", "mxnet", "ring", "gloo"]),
+    (None, None, "no gloo here", ["ps", "ring"]),
+    (["gloo", "ps"], None, None, ["ps", "gloo"]),            # SYSTEMS order, whatever the order asked
+    (["ring"], None, "no gloo here", ["ring"]),
+])
+def test_choose_systems(asked, mxnet, gloo_why, systems):
+    chosen, notes = emsync.choose_systems(asked, mxnet, gloo_why)
+    assert chosen == systems
+    assert bool(notes) == (asked is None and bool(gloo_why))
+
+
+@pytest.mark.parametrize("asked,mxnet,gloo_why,match", [
+    (["mxnet"], None, None, "needs --mxnet"),
+    (["gloo"], None, "no gloo here", "no gloo here"),
+])
+def test_choose_systems_refuses(asked, mxnet, gloo_why, match):
+    with pytest.raises(ConfigError, match=match):
+        emsync.choose_systems(asked, mxnet, gloo_why)
+
+
+def test_setups_put_each_baseline_before_its_kvps_system():
+    combos, notes = emsync.shapes([2, 4], [1, 4], ["dedicated", "colocated"])
+    assert (2, 4, True) not in combos and len(notes) == 1
+    S = emsync.Setup
+    todo = emsync.setups(["ps", "mxnet", "ring", "gloo"], [(4, 1, False), (4, 4, False), (2, 1, False)])
+    assert todo == [S("mxnet", 2, 1, False), S("ps", 2, 1, False), S("gloo", 2, 0, False), S("ring", 2, 0, False),
+                    S("mxnet", 4, 1, False), S("ps", 4, 1, False), S("mxnet", 4, 4, False), S("ps", 4, 4, False),
+                    S("gloo", 4, 0, False), S("ring", 4, 0, False)]
+    assert emsync.setups(["ring"], [(2, 1, False), (2, 2, False)]) == [S("ring", 2, 0, False)]
+
+
+def test_make_plan():
+    plan, what, nbytes = emsync.make_plan("resnet50", 3)
+    assert (len(plan["resnet"]["shapes"]), nbytes, plan["resnet"]["steps"]) == (161, M, 3)
+    plan, what, nbytes = emsync.make_plan("4MB", 1)
+    assert plan["resnet"]["shapes"] == [[1 << 20]] and nbytes == 4 << 20 and what == "one 4 MB array"
+    assert plan["sweep"] == []
+    for workload, steps in (("fast", 1), ("3B", 1), ("4MB", 0)):
+        with pytest.raises(ConfigError):
+            emsync.make_plan(workload, steps)
+
+
+def test_table_rows_bounds_and_baselines():
+    S = emsync.Setup
+
+    def rows(**ms):
+        return {"rows": {mode: {"ms": t} for mode, t in ms.items()}, "error": None}
+
+    results = {S("mxnet", 4, 1, False): rows(**{"push+pull": 6000}),
+               S("ps", 4, 1, False): rows(**{"push+pull": 4500, "pushpull": 3000}),
+               S("gloo", 4, 0, False): {"rows": {}, "error": "boom"},
+               S("ring", 4, 0, False): rows(pushpull=1300, **{"push+pull": 1400})}
+    lines = emsync.table(results, M, B)
+    assert lines[0].startswith("| setup | W | S | servers | measured ms | bound ms | measured/bound | / baseline |")
+    body = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in lines[2:]}
+    assert body == {                                  # bounds: PS W=4 S=1 3271 ms, ring W=4 1227 ms
+        "MXNet dist_sync push+pull": ["4", "1", "dedicated", "6000", "3271", "1.83", "-"],
+        "kvps PS push+pull": ["4", "1", "dedicated", "4500", "3271", "1.38", "0.75"],
+        "kvps PS pushpull": ["4", "1", "dedicated", "3000", "3271", "0.92", "0.50"],
+        "gloo all-reduce": ["4", "-", "-", "failed", "1227", "-", "-"],
+        "kvps ring pushpull": ["4", "-", "-", "1300", "1227", "1.06", "-"],      # gloo failed: no ratio
+        "kvps ring push+pull": ["4", "-", "-", "1400", "1227", "1.14", "-"],
+    }
+
+
+def test_baseline_jobs_are_placed_as_kvps_jobs():
+    gloo = EmulatedGlooJob(None, 3, "plan.json")
+    assert gloo.places == placement(3, 0) == {"H": "h0", "W0": "h1", "W1": "h2", "W2": "h3"}
+    mx = EmulatedMXNetJob(None, MXNET_PY, 4, 2, ["worker.py"], colocated=True, env={"PYTHONPATH": "x"})
+    assert mx.places == placement(4, 2, colocated=True) and mx.workers == 4
+    assert "VIRTUAL_ENV" not in mx.env and mx.env["PYTHONPATH"] == "x"     # only what the caller gives
+
+
+def test_cli_sync_usage_errors_come_before_namespaces(monkeypatch, capsys):
+    import kvps.emulate.cli as cli
+    monkeypatch.setattr(cli, "permitted", lambda delay=False: (False, "no namespaces in this test"))
+    assert main(["sync", "--systems", "ps,horovod"]) == 2
+    assert main(["sync", "--systems", "mxnet"]) == 2
+    assert main(["sync", "--mxnet", "/no/such/python"]) == 2
+    assert main(["sync", "--workload", "3B"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown system 'horovod'" in err and "needs --mxnet" in err and "/no/such/python does not exist" in err
+    assert main(["sync", "--systems", "ps"]) == 77
+
+
+# ---- `kvps emulate sync` end to end (namespaces) ----
+def _sync_table(out):
+    """{setup label: [W, S, servers, measured, bound, measured/bound, / baseline]} from the printed table."""
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    return {r[0]: r[1:] for r in rows[1:]}
+
+
+def test_sync_compares_gloo_ring_and_ps(no_leaks, capfd):
+    start = time.monotonic()
+    code = main(["sync", "-n", "2", "-s", "1", "--workload", "4MB", "--steps", "1", "--rate", "200mbit",
+                 "--timeout", "60"])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    table = _sync_table(out)
+    assert set(table) == {"kvps PS push+pull", "kvps PS pushpull", "kvps ring pushpull", "kvps ring push+pull",
+                          "gloo all-reduce"}, out
+    for label, (W, S, servers, measured, bound, ratio, vs) in table.items():
+        assert W == "2" and float(measured) > 0 and float(bound) > 0, out
+        assert float(ratio) > 0.9, out                # the links are the limit: nothing beats the bound
+    assert table["gloo all-reduce"][4] == table["kvps ring pushpull"][4] == "168"    # 4 MiB at 200 Mbit/s, W=2
+    assert float(table["kvps ring pushpull"][6]) > 0 and table["kvps PS pushpull"][6] == "-"   # no MXNet here
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.skipif(not os.path.exists(MXNET_PY), reason=f"no MXNet at {MXNET_PY}")
+def test_sync_runs_mxnet_beside_kvps_ps(no_leaks, capfd):
+    code = main(["sync", "-n", "2", "-s", "1", "--workload", "4MB", "--steps", "1", "--rate", "200mbit",
+                 "--timeout", "60", "--systems", "ps,mxnet", "--mxnet", MXNET_PY])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    table = _sync_table(out)
+    assert set(table) == {"MXNet dist_sync push+pull", "kvps PS push+pull", "kvps PS pushpull"}, out
+    mx = table["MXNet dist_sync push+pull"]
+    assert mx[:3] == ["2", "1", "dedicated"] and float(mx[3]) > 0 and float(mx[5]) > 0.9, out
+    assert float(table["kvps PS pushpull"][6]) > 0, out       # divided by MXNet's, measured in the same run
+
+
+def test_sync_reports_a_job_past_its_deadline_and_removes_it(no_leaks, capfd):
+    code = main(["sync", "-n", "2", "--systems", "gloo", "--workload", "4MB", "--steps", "1", "--timeout", "1"])
+    out, err = capfd.readouterr()
+    assert code == 124, out + err
+    assert _sync_table(out)["gloo all-reduce"][3] == "failed", out
+    assert "gloo all-reduce W=2 failed: workers" in err and "still running after 1 s" in err, err

@@ -33,9 +33,17 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
+def environ(extra=None):
+    """The environment for MXNet's processes: this one without kvps's interpreter settings and
+    DMLC_* leftovers, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("DMLC_")}
+    env.update(extra or {})
+    return env
+
+
 def check_python(python, timeout=60.0):
     """None when `python -c 'import mxnet'` works, else what it said (or that it hung)."""
-    env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("DMLC_")}
+    env = environ()
     try:
         done = subprocess.run([python, "-c", "import mxnet; print(mxnet.__version__)"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
@@ -58,8 +66,7 @@ class MXNetJob:
         self.num_workers, self.num_servers = num_workers, num_servers
         self.worker_args = list(worker_args)
         self.logdir = logdir
-        self.env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("DMLC_")}
-        self.env.update(env or {})
+        self.env = environ(env)
         self.procs = []            # (name, Popen)
         self.port = None
 

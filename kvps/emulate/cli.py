@@ -3,6 +3,7 @@
     kvps emulate -n 4 -s 1 [--colocated] [--rate 1gbit] [--delay-ms 0] -- python train.py
     kvps emulate check [--rate 1gbit] [--mb 125]
     kvps emulate sync -n 4 -s 1,4 --placement dedicated,colocated [--workload resnet50] [--steps 3]
+                      [--systems ps,ring,gloo,mxnet] [--mxnet ~/mxvenv/bin/python]
     kvps emulate theory -n 2,4,8 -s 1,4 --placement dedicated,colocated [--mb 102.2] [--rate 1gbit]
 
 Exit codes: 0 success; a worker's own non-zero code; 1 a failed job, check or benchmark;
@@ -10,15 +11,13 @@ Exit codes: 0 success; a worker's own non-zero code; 1 a failed job, check or be
 124 a deadline passed; 130 interrupted (Ctrl-C). Everything it creates is removed on the way out.
 """
 import argparse
-import json
-import os
 import sys
-import tempfile
 
-from kvps.errors import ConfigError, KVPSError, KVTimeoutError, NodeFailure
+from kvps.errors import ConfigError, KVPSError, KVTimeoutError
 from kvps.launcher import parse_env
 
-from .job import JOB_TIMEOUT, EmulatedJob, run_job
+from . import sync
+from .job import JOB_TIMEOUT, run_job
 from .network import Network, NotPermitted, parse_rate, permitted, show_rate
 from .probe import transfer
 from .theory import theory
@@ -53,6 +52,13 @@ def _placements(text):
     return values
 
 
+def _systems(text):
+    try:
+        return sync.parse_systems(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run_parser():
     p = argparse.ArgumentParser(
         prog="kvps emulate",
@@ -84,9 +90,10 @@ def check_parser():
 
 
 def sync_parser(prog="kvps emulate sync"):
-    p = argparse.ArgumentParser(prog=prog, description="Time a synchronous gradient step of kvps (dist_sync "
-                                "push+pull and pushpull) on the emulated cluster, beside the bandwidth bound "
-                                "of a parameter server and of a ring all-reduce.")
+    p = argparse.ArgumentParser(prog=prog, description="Time a synchronous gradient step of kvps's parameter server "
+                                "(dist_sync push+pull and pushpull) and ring beside torch.distributed gloo all-reduce "
+                                "and (with --mxnet) MXNet dist_sync on the emulated cluster, each beside the bandwidth "
+                                "bound of a parameter server or a ring all-reduce.")
     p.add_argument("-n", "--workers", type=_ints, default=[2], help="worker counts, e.g. 2,4 (default 2)")
     p.add_argument("-s", "--servers", type=_ints, default=[1], help="server counts, e.g. 1,4 (default 1)")
     p.add_argument("--placement", type=_placements, default=["dedicated"],
@@ -99,6 +106,12 @@ def sync_parser(prog="kvps emulate sync"):
     p.add_argument("--workload", default="resnet50",
                    help="resnet50 (161 tensors, 102 MB) or one float32 array of a size like 64MB")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode, after warm-up (default 3)")
+    p.add_argument("--systems", type=_systems, default=None,
+                   help="comma-separated, from ps (kvps dist_sync), ring (kvps all-reduce), gloo (torch.distributed "
+                        "all-reduce), mxnet (MXNet dist_sync; needs --mxnet) (default ps,ring,gloo and mxnet "
+                        "when --mxnet is given)")
+    p.add_argument("--mxnet", metavar="PYTHON", default=None,
+                   help="a Python with mxnet 1.9.1 (e.g. ~/mxvenv/bin/python): also run MXNet dist_sync")
     p.add_argument("--timeout", type=float, default=JOB_TIMEOUT, help="seconds each job may run (default 600)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the jobs' output to stderr")
     return p
@@ -201,18 +214,10 @@ def cmd_check(args):
 
 # ---- kvps emulate sync / theory ----
 def _shapes(args):
-    """The (W, S, colocated) combinations asked for; impossible ones are reported and left out."""
-    out = []
-    for W in args.workers:
-        for S in args.servers:
-            for place in args.placement:
-                if place == "colocated" and S > W:
-                    print(f"(left out: {S} co-located servers need at least {S} workers, not {W})", file=sys.stderr)
-                    continue
-                out.append((W, S, place == "colocated"))
-    if not out:
-        raise ConfigError("no worker/server/placement combination can run")
-    return out
+    combos, notes = sync.shapes(args.workers, args.servers, args.placement)
+    for note in notes:
+        print(note, file=sys.stderr)
+    return combos
 
 
 def cmd_theory(args):
@@ -226,83 +231,9 @@ def cmd_theory(args):
     return OK
 
 
-class _Lines:
-    """A job's output, kept and (with -v) echoed."""
-
-    def __init__(self, echo=None):
-        self.parts, self.echo = [], echo
-
-    def write(self, text):
-        self.parts.append(text)
-        if self.echo:
-            self.echo.write(text)
-
-    def flush(self):
-        if self.echo:
-            self.echo.flush()
-
-    def text(self):
-        return "".join(self.parts)
-
-
-def _sync_job(args, W, S, colocated, plan_path, env):
-    """Run one timing job on a fresh emulated network; {mode: result row}."""
-    from kvps.bench.pushpull import results
-
-    lines = _Lines(sys.stderr if args.verbose else None)
-    with Network() as net:
-        job = EmulatedJob(net, W, S, [sys.executable, "-m", "kvps.bench.kvps_worker", plan_path],
-                          colocated, env, lines)
-        net.up(job.hosts, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)
-        codes = job.run(args.timeout)
-    rows = {r["mode"]: r for r in results(lines.text())}
-    if any(codes) or len(rows) < 2:
-        raise NodeFailure(f"the job W={W} S={S} failed (worker exit codes {codes}); its output:\n"
-                          + lines.text()[-6000:])
-    return rows
-
-
 def cmd_sync(args):
-    from kvps.bench import workloads
-
     rate = parse_rate(args.rate)
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps} must be at least 1")
-    shapes = _shapes(args)
-    if args.workload == "resnet50":
-        plan = workloads.make_plan(sizes=(), resnet_steps=args.steps, quick=True)
-        what = "ResNet-50 (161 tensors)"
-    else:
-        try:
-            size = workloads.parse_size(args.workload)
-        except ValueError as exc:
-            raise ConfigError(f"--workload: {exc}") from None
-        plan = workloads.make_plan(sizes=(size,), resnet_steps=0, quick=True)
-        plan["sweep"][0]["reps"] = args.steps
-        what = f"one {workloads.show_size(size)} array"
+    combos = _shapes(args)
+    bench = sync.Benchmark(args, combos)       # usage errors are reported before probing for namespaces
     _require(args.delay_ms)
-    print(f"kvps emulate sync: {what}, dist_sync and ring all-reduce, each host link {show_rate(rate)} both ways"
-          f"{f', {args.delay_ms:g} ms one way' if args.delay_ms else ''}, {os.cpu_count()} CPUs for every process; "
-          f"median of {args.steps} timed steps. Bound: the busiest link direction at full rate "
-          "(docs/emulate.md).", flush=True)
-    print("\n| system | W | S | servers | MB | push+pull ms | pushpull ms | bound ms | best/bound |\n"
-          "|---|--:|--:|---|--:|--:|--:|--:|--:|", flush=True)
-    env = {"KVPS_TIMEOUT": f"{max(30.0, args.timeout / 2):g}"}
-    with tempfile.TemporaryDirectory(prefix="kvps-emulate-") as tmp:
-        jobs = [("kvps PS dist_sync", W, S, colocated) for W, S, colocated in shapes]
-        jobs += [("kvps ring all-reduce", W, 0, False) for W in sorted({W for W, _, _ in shapes})]
-        for system, W, S, colocated in jobs:
-            plan["kvtype"] = "allreduce" if S == 0 else "dist_sync"
-            plan_path = os.path.join(tmp, f"plan-{plan['kvtype']}.json")
-            with open(plan_path, "w") as f:
-                json.dump(plan, f)
-            rows = _sync_job(args, W, S, colocated, plan_path, env)
-            M = next(iter(rows.values()))["bytes"]
-            t = theory(M, rate, W, max(S, 1), colocated)
-            bound = t.ring if S == 0 else t.ps
-            best = min(r["ms"] for r in rows.values()) / 1e3
-            ratio = f"{best / bound:.2f}" if bound else "-"
-            placement = "-" if S == 0 else ("co-located" if colocated else "dedicated")
-            print(f"| {system} | {W} | {S} | {placement} | {M / 1e6:.1f} | {rows['push+pull']['ms']:.0f} | "
-                  f"{rows['pushpull']['ms']:.0f} | {bound * 1e3:.0f} | {ratio} |", flush=True)
-    return OK
+    return bench.run(rate)

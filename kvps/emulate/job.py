@@ -15,6 +15,9 @@ Every node advertises its host's 198.18 address (KVPS_HOST); servers bind it.
 Each child's output is printed with its role and rank ([H], [S0], [W1]), as `kvps launch` does.
 A failing worker stops the job; every wait has a deadline; only processes this job started are
 stopped, by pid (through Network.stop).
+
+HostJob is what every job on the hosts shares (spawning a node inside its host, the READY line,
+output, deadlines, stopping); EmulatedJob is kvps's, baselines.py has gloo's and MXNet's.
 """
 import os
 import queue
@@ -50,22 +53,23 @@ def placement(workers, servers, colocated=False):
     return places
 
 
-class EmulatedJob:
-    """The processes of one kvps job on an up Network, started and stopped by this object only."""
+class HostJob:
+    """Processes placed on the hosts of an up Network, started and stopped by this object only.
 
-    def __init__(self, net, workers, servers, command, colocated=False, env=None, out=None, python=None):
-        if not command:
-            raise ConfigError("no worker command given: kvps emulate -n W -s S -- python train.py")
+    Nodes are named H (the rendezvous: a scheduler or a store), S<j> (servers) and W<i> (workers);
+    `places` maps each to its host, `environ` is every process's base environment. A subclass's
+    start() spawns the nodes; the job is done when every worker has exited."""
+
+    daemons_exit = True     # H and the servers exit by themselves once the workers are done (else: stopped)
+
+    def __init__(self, net, places, environ, out=None):
         self.net = net
-        self.workers, self.servers, self.colocated = workers, servers, colocated
-        self.places = placement(workers, servers, colocated)
+        self.places = dict(places)
         self.hosts = sorted(set(self.places.values()), key=lambda h: int(h[1:]))
-        self.command = list(command)
-        self.python = python or sys.executable
-        self.env = dict(os.environ, **(env or {}))
+        self.workers = sum(1 for n in self.places if n.startswith("W"))
+        self.env = dict(environ)
         self.out = out or sys.stdout
         self.procs = {}                 # node name -> Popen
-        self.scheduler_address = None
         self._exited = queue.Queue()    # node names, as their processes exit
         self._lock = threading.Lock()
         self._threads = []
@@ -78,36 +82,29 @@ class EmulatedJob:
             lines.append(f"{host} {self.net.address(host)}: {' '.join(nodes)}")
         return lines
 
+    def address(self, name):
+        """The 198.18 address of the host node `name` runs on."""
+        return self.net.address(self.places[name])
+
     # ---- starting ----
     def start(self):
-        """Start the scheduler, wait for its READY line, then the servers and workers. Returns self.
-        Raises KVTimeoutError (after stopping what it started) if the scheduler does not get ready."""
-        base = {"KVPS_NUM_WORKERS": str(self.workers), "KVPS_NUM_SERVERS": str(self.servers),
-                "PYTHONUNBUFFERED": "1"}
-        address = self.net.address(self.places["H"])
-        sched = self._spawn("H", [self.python, "-m", "kvps.scheduler", "--host", address, "--port", "0"],
-                            dict(base, KVPS_ROLE="scheduler"), pump=False)
-        self.scheduler_address = self._await_ready(sched)
-        self._watch("H", sched)
-        base["KVPS_SCHEDULER"] = self.scheduler_address
-        for j in range(self.servers):
-            self._spawn(f"S{j}", [self.python, "-m", "kvps.server"], dict(base, KVPS_ROLE="server", KVPS_RANK=str(j)))
-        for i in range(self.workers):
-            self._spawn(f"W{i}", self.command, dict(base, KVPS_ROLE="worker", KVPS_RANK=str(i)))
-        return self
+        """Start every node; returns self. Raises KVTimeoutError (after stopping what it started)
+        if a node that should print READY does not."""
+        raise NotImplementedError
 
-    def _spawn(self, name, argv, extra_env, pump=True):
-        host = self.places[name]
-        env = dict(self.env, **extra_env, KVPS_HOST=self.net.address(host))
-        # The scheduler's pipe is unbuffered so the select() in _await_ready sees every line.
-        proc = self.net.popen(host, argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, bufsize=-1 if pump else 0)
+    def _spawn(self, name, argv, extra_env, ready=False):
+        """Start node `name` inside its host's namespace. Returns its Popen, or with ready=True the
+        word after the `READY` line it prints (waiting READY_TIMEOUT for it)."""
+        # A pipe that must be read line by line before the pump starts is unbuffered, so the select()
+        # in _await_ready sees every line.
+        proc = self.net.popen(self.places[name], argv, env=dict(self.env, **extra_env), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0 if ready else -1)
         self.procs[name] = proc
-        if pump:
-            self._watch(name, proc)
-        return proc
+        word = self._await_ready(name, proc) if ready else None
+        self._watch(name, proc)
+        return word if ready else proc
 
-    def _await_ready(self, proc):
+    def _await_ready(self, name, proc):
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + READY_TIMEOUT
@@ -123,7 +120,7 @@ class EmulatedJob:
         finally:
             sel.close()
         self.stop()
-        raise KVTimeoutError(f"the scheduler on {self.places['H']} did not print READY within {READY_TIMEOUT:g} s"
+        raise KVTimeoutError(f"{name} on {self.places[name]} did not print READY within {READY_TIMEOUT:g} s"
                              f" (exit code {proc.poll()}); it said:\n" + "".join(said))
 
     def _watch(self, name, proc):
@@ -146,25 +143,28 @@ class EmulatedJob:
     def wait(self, timeout=JOB_TIMEOUT):
         """The workers' exit codes in rank order, once they have all exited or one has failed (the
         others are then stopped: their codes are negative signal numbers). Then gives the daemons
-        DRAIN_TIMEOUT to exit and stops the rest. Raises KVTimeoutError, after stopping the job,
-        naming the workers still running when `timeout` seconds pass, and NodeFailure if the
-        scheduler or a server exits with an error while workers run."""
+        DRAIN_TIMEOUT to exit (if daemons_exit) and stops the rest. Raises KVTimeoutError, after
+        stopping the job, naming the workers still running when `timeout` seconds pass, and
+        NodeFailure if the rendezvous or a server exits with an error while workers run."""
         deadline = time.monotonic() + timeout
         workers = [f"W{i}" for i in range(self.workers)]
+        pending = set(workers)          # workers whose exit has not been seen yet (each is reported once)
         try:
-            while any(self.procs[w].poll() is None for w in workers):
+            while pending:
                 try:
                     name = self._exited.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     running = [w for w in workers if self.procs[w].poll() is None]
                     raise KVTimeoutError(f"workers {', '.join(running)} still running after {timeout:g} s") from None
+                pending.discard(name)
                 code = self.procs[name].returncode
                 if code and name.startswith("W"):
                     self.say(f"worker {name} exited with code {code}; stopping the job")
                     break
-                if code and not name.startswith("W"):
+                if code and not name.startswith("W") and any(self.procs[w].poll() is None for w in pending):
                     raise NodeFailure(f"{name} on {self.places[name]} exited with code {code} while workers ran")
-            self._drain(0 if any(self.procs[w].returncode for w in workers) else DRAIN_TIMEOUT)
+            failed = any(self.procs[w].returncode for w in workers)
+            self._drain(DRAIN_TIMEOUT if self.daemons_exit and not failed else 0)
         finally:
             self.stop()
         return [self.procs[w].returncode for w in workers]
@@ -198,6 +198,38 @@ class EmulatedJob:
         with self._lock:
             self.out.write(text)
             self.out.flush()
+
+
+class EmulatedJob(HostJob):
+    """The processes of one kvps job: scheduler, servers and workers (see the module docstring)."""
+
+    def __init__(self, net, workers, servers, command, colocated=False, env=None, out=None, python=None):
+        if not command:
+            raise ConfigError("no worker command given: kvps emulate -n W -s S -- python train.py")
+        super().__init__(net, placement(workers, servers, colocated), dict(os.environ, **(env or {})), out)
+        self.servers, self.colocated = servers, colocated
+        self.command = list(command)
+        self.python = python or sys.executable
+        self.scheduler_address = None
+
+    def start(self):
+        """Start the scheduler, wait for its READY line, then the servers and workers. Returns self.
+        Raises KVTimeoutError (after stopping what it started) if the scheduler does not get ready."""
+        base = {"KVPS_NUM_WORKERS": str(self.workers), "KVPS_NUM_SERVERS": str(self.servers),
+                "PYTHONUNBUFFERED": "1"}
+        self.scheduler_address = self._spawn(
+            "H", [self.python, "-m", "kvps.scheduler", "--host", self.address("H"), "--port", "0"],
+            self._node_env("H", base, KVPS_ROLE="scheduler"), ready=True)
+        base["KVPS_SCHEDULER"] = self.scheduler_address
+        for j in range(self.servers):
+            self._spawn(f"S{j}", [self.python, "-m", "kvps.server"],
+                        self._node_env(f"S{j}", base, KVPS_ROLE="server", KVPS_RANK=str(j)))
+        for i in range(self.workers):
+            self._spawn(f"W{i}", self.command, self._node_env(f"W{i}", base, KVPS_ROLE="worker", KVPS_RANK=str(i)))
+        return self
+
+    def _node_env(self, name, base, **extra):
+        return dict(base, **extra, KVPS_HOST=self.address(name))
 
 
 def run_job(workers, servers, command, colocated=False, rate="1gbit", delay_ms=0.0, mtu=1500,

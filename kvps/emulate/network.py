@@ -42,6 +42,7 @@ COMMAND_TIMEOUT = 20.0     # seconds for one `ip` or `tc` command
 STOP_TIMEOUT = 5.0         # seconds a process gets after SIGTERM before SIGKILL
 TBF_LATENCY = "10ms"       # tbf queue: 10 ms at the link rate, about a switch port's buffer (a deeper one
                            # delays the ACKs of one direction behind data of the other)
+HOST_LINK = "eth0"         # every host's interface to the switch (GLOO_SOCKET_IFNAME, DMLC_INTERFACE)
 HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 _SIGNALS = ("SIGTERM", "SIGHUP")
 
@@ -191,12 +192,12 @@ class Network:
         address = SUBNET[i + 1]
         self._add_namespace(ns)
         _run(["ip", "-n", self.switch, "link", "add", port, "mtu", str(mtu), "type", "veth",
-              "peer", "name", "eth0", "netns", ns])
+              "peer", "name", HOST_LINK, "netns", ns])
         _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
-        _run(["ip", "-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", "eth0"])
-        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", HOST_LINK])
+        _run(["ip", "-n", ns, "link", "set", HOST_LINK, "up"])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-        self._limit(ns, "eth0")              # what the host sends
+        self._limit(ns, HOST_LINK)           # what the host sends
         self._limit(self.switch, port)       # what the host receives
         self.hosts[name] = (ns, str(address))
 
