@@ -1,0 +1,36 @@
+"""torch training on kvps: a distributed optimizer, broadcasts of parameters and optimizer state, join().
+
+    import kvps.torch as kt
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), mode="sync")     # sync | async | allreduce
+    kt.broadcast_parameters(model.state_dict(), root_rank=0)
+    kt.broadcast_optimizer_state(opt, root_rank=0)
+    for x, y in my_shard:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    kt.join()                  # every worker calls it when its data runs out
+
+sync and allreduce: gradients are grouped into buckets (as torch DDP groups them) and each bucket
+is sent (one pushpull, summed over workers) from a backward hook as soon as its last gradient is
+ready; step() waits for those replies, divides by the number of workers and runs the wrapped
+torch optimizer locally. async: the servers run the optimizer (translated into
+kvps.optimizer, MXNet's formulas) on each worker's gradient as it arrives and workers pull fresh
+weights; or, with update_on="worker", workers step locally and push weight deltas.
+
+The package is named after torch but shadows nothing: kvps imports torch absolutely, so
+`import torch` here, in this package's modules and in kvps.arrays is the real torch.
+docs/torch.md has the details.
+
+Its modules: session (the modes, the process's kvstore, init, join), broadcast, bucketing,
+optimizer (DistributedOptimizer) and rules (torch optimizers as server-side update rules).
+"""
+import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstring)
+
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
+from .optimizer import DistributedOptimizer
+from .rules import server_optimizer
+from .session import ASYNC, MODES, SUMMING, Session, init, join
+
+__all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+           "buckets", "server_optimizer", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MODES", "SUMMING", "ASYNC",
+           "Session"]

@@ -1,0 +1,247 @@
+"""DistributedOptimizer: a torch optimizer whose gradients are reduced by kvps (sync, allreduce) or
+whose update runs on the servers (async), sent bucket by bucket from backward hooks."""
+import logging
+
+import torch
+
+from .bucketing import BUCKET_BYTES, buckets
+from .rules import server_optimizer
+from .session import _SESSION, ASYNC, SUMMING, _type
+
+log = logging.getLogger("kvps.torch")
+
+
+class _Distributed:
+    """Mixed in before the wrapped optimizer's class; see DistributedOptimizer."""
+
+    def _setup(self, named, mode, compression, passes, kv, update_on, bucket_bytes):
+        self._mode, self._kv, self._k = mode, kv, passes
+        self._update_on = update_on
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        prefix = _SESSION.prefix(kv, "o")
+        self._keys = [prefix + name for name in self._names]
+        n = len(self._params)
+        if mode == "async":
+            bucket_bytes = 0                           # each push is an update of its own on the servers
+        elif kv.type == "allreduce":                   # the ring fuses up to this much into one collective
+            bucket_bytes = min(bucket_bytes, kv.cfg.fusion_bytes)
+        self._buckets = buckets(self._params, bucket_bytes)
+        self._bucket_of = [0] * n
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        # The ring needs every worker to run the same collectives in the same order: send buckets in
+        # bucket order, whatever order their gradients complete in. Servers take keys in any order.
+        self._ordered = mode == "allreduce"
+        self._reset()
+        self._skip = False
+        if compression is not None:
+            kv.set_gradient_compression({"type": compression} if isinstance(compression, str) else compression)
+        weights = [p.detach() for p in self._params]
+        kv.init(self._keys, weights)
+        if mode == "async":
+            kv.pull(self._keys, out=weights)           # every worker starts from rank 0's weights
+            if update_on == "server":
+                self._rule = server_optimizer(self)
+                kv.set_optimizer(self._rule)
+                self._fresh = [torch.empty_like(w) for w in weights]
+            else:
+                self._base = [w.clone() for w in weights]
+            kv.barrier()                               # nobody's pushes reach a worker's first pull
+        if not (mode == "async" and update_on == "worker"):
+            for i, p in enumerate(self._params):
+                p.register_post_accumulate_grad_hook(self._hook(i))
+        log.info("W%s: %s over %s (mode %s%s), %d parameters in %d buckets as keys %s*", kv.rank,
+                 type(self).__name__, kv.type, mode, f", updates on the {update_on}" if mode == "async" else "",
+                 n, len(self._buckets), prefix)
+
+    @property
+    def buckets(self):
+        """The parameter names of each bucket, in the order the buckets are sent."""
+        return [[self._names[i] for i in members] for members in self._buckets]
+
+    def _reset(self):
+        self._handles = [None] * len(self._buckets)
+        self._missing = [len(members) for members in self._buckets]   # gradients each bucket waits for
+        self._passes = [0] * len(self._params)
+        self._next = 0                                 # the first bucket not sent yet (ordered)
+
+    def _hook(self, index):
+        def hook(param):
+            self._passes[index] += 1
+            if self._passes[index] > self._k:
+                raise RuntimeError(f"a backward pass reached {self._names[index]!r} after its gradient was sent "
+                                   f"(or queued with its bucket); call step() after every {self._k} backward "
+                                   f"pass(es) (backward_passes_per_step)")
+            if self._passes[index] == self._k:
+                b = self._bucket_of[index]
+                self._missing[b] -= 1
+                if self._missing[b] == 0:
+                    self._ready(b)
+        return hook
+
+    def _ready(self, b):
+        if not self._ordered:
+            self._handles[b] = self._send(b)
+            return
+        while self._next < len(self._buckets) and self._missing[self._next] == 0:
+            self._handles[self._next] = self._send(self._next)
+            self._next += 1
+
+    def _send(self, b):
+        """Send bucket b as one call (one fused collective on the ring; one message per server)."""
+        members = self._buckets[b]
+        # The first layers, which the next forward pass needs first, rank highest where a kvstore
+        # orders requests.
+        priority = -min(members)
+        if self._mode != "async":
+            for i in members:
+                p = self._params[i]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)       # an unused parameter still takes part in the round
+            return self._kv.pushpull([self._keys[i] for i in members], [self._params[i].grad for i in members],
+                                     priority=priority, async_op=True)
+        (i,) = members                                 # async: buckets of one
+        p, key = self._params[i], self._keys[i]
+        if p.grad is None:
+            return self._kv.pull(key, out=self._fresh[i], priority=priority, async_op=True)
+        return self._kv.pushpull(key, p.grad, out=self._fresh[i], priority=priority, async_op=True)
+
+    def synchronize(self):
+        """Wait for every bucket's reduction (sending, in bucket order, those not sent yet: a bucket
+        with an unused parameter, which goes as zeros, or fewer backward passes than
+        backward_passes_per_step) and average the gradients (sync, allreduce), or fetch the servers'
+        fresh weights (async)."""
+        if self._mode == "async" and self._update_on == "worker":
+            return
+        for b in range(len(self._buckets)):
+            if self._handles[b] is None:
+                self._handles[b] = self._send(b)
+        for handle in self._handles:
+            handle.wait()
+        self._reset()
+        self._kv.wait_all()                            # all done: this only empties the kvstore's list
+        with torch.no_grad():
+            if self._mode != "async":
+                if self._kv.num_workers > 1:
+                    torch._foreach_div_([p.grad for p in self._params], float(self._kv.num_workers))
+            else:
+                torch._foreach_copy_([p.data for p in self._params], self._fresh)
+
+    def skip_synchronize(self):
+        """with opt.skip_synchronize(): opt.step() -- after an explicit synchronize() (to clip the
+        averaged gradients, say), step without synchronizing again."""
+        return _Skip(self)
+
+    def step(self, closure=None):
+        """closure (if any) runs first, once; then synchronize() and the update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._mode == "async" and self._update_on == "worker":
+            self._step_deltas()
+            return loss
+        if self._mode == "async" and server_optimizer(self).spec() != self._rule.spec():
+            raise ValueError(f"the servers run {self._rule}, set when the optimizer was wrapped, and the "
+                             f"param groups now ask for {server_optimizer(self)} (an lr schedule?); "
+                             f"use update_on='worker' to change hyperparameters during training")
+        if not self._skip:
+            self.synchronize()
+        if self._mode != "async":
+            super().step()
+        return loss
+
+    step.hooked = True      # torch must not wrap this step in its hooks: the wrapped class's step runs them
+
+    def _step_deltas(self):
+        """Step locally, push the change to the weights (dist_async adds it), take the sum back."""
+        super().step()
+        with torch.no_grad():
+            torch._foreach_sub_(self._base, [p.detach() for p in self._params])
+            torch._foreach_neg_(self._base)            # base now holds this step's delta
+            self._kv.pushpull(self._keys, self._base, out=[p.detach() for p in self._params])
+            torch._foreach_copy_(self._base, [p.detach() for p in self._params])
+
+    def zero_grad(self, set_to_none=True):
+        if any(h is not None for h in self._handles):
+            raise RuntimeError("zero_grad() while gradients are being reduced: call step() or synchronize() first")
+        self._reset()
+        super().zero_grad(set_to_none)
+
+
+class _Skip:
+    def __init__(self, opt):
+        self.opt = opt
+
+    def __enter__(self):
+        self.opt._skip = True
+
+    def __exit__(self, *exc):
+        self.opt._skip = False
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compression=None,
+                         backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES):
+    """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
+
+    mode: "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
+    (dist_async: update_on="server", the default, runs the optimizer on the servers; "worker"
+    steps locally and pushes weight deltas). compression: None, "fp16", "bf16", "2bit", "1bit",
+    "topk" or a dict as kv.set_gradient_compression takes. backward_passes_per_step: gradients
+    accumulate locally (summed, as torch does) and are sent on every k-th backward pass.
+    kvstore: use this kvstore instead of the process's (kvps.torch.init). bucket_bytes (sync,
+    allreduce): gradients travel in buckets of about this size (25 MiB, as torch DDP; the first
+    bucket at most 1 MiB; on the ring at most KVPS_FUSION_BYTES), each bucket one pushpull, sent
+    when its last gradient is ready; 0 sends each parameter on its own. opt.buckets lists them.
+
+    The result shares the wrapped optimizer's param groups and state; use it, not the original.
+    Every worker must wrap the same parameters, with the same names, in the same order.
+    Raises ValueError for bad arguments and for optimizers the servers cannot run (async)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    if isinstance(optimizer, _Distributed):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    _type(mode)
+    if update_on not in (None, "server", "worker") or (update_on is not None and mode != "async"):
+        raise ValueError(f"update_on={update_on!r}: give 'server' or 'worker', and only with mode='async'")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 0 (0: one bucket per parameter)")
+    named = _named(optimizer, named_parameters)
+    kv = _SESSION.kvstore(mode, kvstore)
+    if kv.type not in (SUMMING if mode != "async" else ASYNC if update_on != "worker" else {"dist_async"}):
+        raise ValueError(f"mode={mode!r}{', update_on=' + repr(update_on) if update_on else ''} cannot run on "
+                         f"a {kv.type} kvstore (it needs {_type(mode)})")
+    cls = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {"__module__": "kvps.torch"})
+    opt = cls.__new__(cls)
+    torch.optim.Optimizer.__init__(opt, optimizer.param_groups, optimizer.defaults)   # the same group dicts
+    for attr, value in vars(optimizer).items():
+        if attr != "step":                             # an lr scheduler's patch of the original's step
+            vars(opt).setdefault(attr, value)
+    opt.state = optimizer.state
+    opt._setup(named, mode, compression, backward_passes_per_step, kv, update_on or "server", bucket_bytes)
+    return opt
+
+
+def _named(optimizer, named_parameters):
+    """[(name, param)] for the optimizer's trainable parameters, in the order given (model order)."""
+    in_opt = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        named = [(f"param.{i}", p) for i, p in enumerate(in_opt)]
+    else:
+        named = list(named_parameters)
+        names = [n for n, _ in named]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"named_parameters has these names more than once: {', '.join(dup)}")
+        known = {id(p) for _, p in named}
+        missing = [i for i, p in enumerate(in_opt) if id(p) not in known]
+        if missing:
+            raise ValueError(f"{len(missing)} of the optimizer's parameters are not in named_parameters "
+                             f"(positions {missing[:5]}); pass model.named_parameters()")
+        ids = {id(p) for p in in_opt}
+        named = [(n, p) for n, p in named if id(p) in ids]
+    return [(n, p) for n, p in named if p.requires_grad]

@@ -1,0 +1,76 @@
+"""The process's kvps.torch session: the modes, the one kvstore every kvps.torch call in this process
+shares (Session), init() to choose it and join() to leave the job."""
+import collections
+import weakref
+
+import kvps
+
+MODES = {"sync": "dist_sync", "async": "dist_async", "allreduce": "allreduce"}
+# kvstore types whose pushpull returns the sum of the workers' pushes (when no optimizer is set),
+# and those that apply each push as it comes (local, one worker, is both).
+SUMMING = {"dist_sync", "dist", "dist_sync_device", "allreduce", "local", "device"}
+ASYNC = {"dist_async", "local", "device"}
+
+
+class Session:
+    """The kvstore that this process's kvps.torch calls share, and the counters that name keys.
+
+    A process is one worker of one job and registers with the scheduler once, so it has one
+    kvstore (Horovod's hvd.init()); the first call that needs one creates it, or adopts the one
+    a caller passes. Keys are named by call order, so every worker must make the same calls."""
+
+    def __init__(self):
+        self.kv = None
+        self.mode = None                               # the mode self.kv was made for, if made here
+        self._counts = weakref.WeakKeyDictionary()     # kvstore -> Counter of key prefixes handed out
+
+    def kvstore(self, mode=None, kvstore=None):
+        if kvstore is not None:
+            if self.kv is None:
+                self.kv = kvstore
+            return kvstore
+        if self.kv is None:
+            self.mode = mode or "sync"
+            self.kv = kvps.create(_type(self.mode))
+        elif mode is not None and self.mode is not None and mode != self.mode:
+            raise ValueError(f"mode={mode!r} needs a {_type(mode)} kvstore, but this process's kvps.torch "
+                             f"kvstore is {self.kv.type} (made for mode={self.mode!r} by an earlier call); call "
+                             f"kvps.torch.init(mode={mode!r}) before anything else, or pass kvstore=")
+        return self.kv
+
+    def prefix(self, kv, kind):
+        """A key prefix for one call, the same on every worker that makes the same calls in order."""
+        counts = self._counts.setdefault(kv, collections.Counter())
+        counts[kind] += 1
+        return f"kvps.torch/{kind}{counts[kind]}/"
+
+
+_SESSION = Session()   # the one piece of process state: see Session
+
+
+def _type(mode):
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def init(mode="sync", kvstore=None):
+    """The kvstore kvps.torch uses in this process: `kvstore` if given (adopted), else one created
+    with kvps.create for `mode` (sync: dist_sync, async: dist_async, allreduce: allreduce).
+    Call it first when the first kvps.torch call is not the one that sets the mode."""
+    return _SESSION.kvstore(mode, kvstore)
+
+
+def join(kvstore=None):
+    """Say this worker has no more data, wait until every worker has said so (Horovod's join), and
+    return the rank of the last worker to join: the one that trained longest, so
+    broadcast_parameters(model.state_dict(), root_rank=join()) leaves every worker its weights.
+
+    In sync mode a joined worker counts as pushing zeros, so the others' rounds close without it
+    and their averages still divide by all workers. Every worker calls join() when its data runs
+    out. Raises KVPSError where the kvstore cannot join."""
+    kv = _SESSION.kvstore(kvstore=kvstore)
+    try:
+        return kv.join()
+    except NotImplementedError as exc:
+        raise kvps.KVPSError(str(exc)) from None
