@@ -36,7 +36,8 @@ VARIABLES = (
     Var("KVPS_CONNECT_TIMEOUT", 120.0, float, "seconds to wait for all nodes to register with the scheduler"),
     Var("KVPS_HEARTBEAT_INTERVAL", 1.0, float, "seconds between heartbeats to the scheduler"),
     Var("KVPS_HEARTBEAT_TIMEOUT", 10.0, float, "seconds of silence after which a node is declared dead"),
-    Var("KVPS_BIGARRAY_BOUND", 1_000_000, int, "arrays with at least this many elements are split over all servers", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
+    Var("KVPS_BIGARRAY_BOUND", 250_000, int, "arrays with at least this many elements are split over all servers "
+                                           "(MXNet's default is 1,000,000; smaller spreads the load evenly)", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
     Var("KVPS_PARTITION_BYTES", 4 << 20, int, "a split array is cut into parts of at most this size (0: one part "
                                                "per server), dealt round the servers"),
     Var("KVPS_MESSAGE_BYTES", 4 << 20, int, "a call's data to one server goes in messages of about this size, so "
@@ -101,7 +102,7 @@ class Config:
     connect_timeout: float = 120.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
-    bigarray_bound: int = 1_000_000
+    bigarray_bound: int = 250_000
     partition_bytes: int = 4 << 20
     message_bytes: int = 4 << 20
     fusion_bytes: int = 64 << 20

@@ -5,9 +5,10 @@ every worker finds it in the same place whatever order keys were initialised in
 (MXNet maps str keys to ints in init order, which breaks when workers differ).
 
 An array with at least `bound` elements is split along its first axis into
-contiguous row ranges, at least one per server (fewer when it has fewer rows)
-and more when the parts would exceed `partition_bytes` (BytePS's partitions),
-dealt round the servers starting at the hashed one. Big arrays thus spread their
+contiguous row ranges, one per server, or a multiple of that when the parts would
+exceed `partition_bytes` (BytePS's partitions), dealt round the servers starting
+at the hashed one, so every server holds an equal share of it (fewer parts when
+the array has fewer rows). Big arrays thus spread their
 traffic over all servers, a server can answer one part while the next arrives,
 and a row-sparse pull asks each server only for its own rows.
 """
@@ -67,7 +68,9 @@ def layout(key, shape, num_servers, bound, itemsize=4, partition_bytes=None):
         return (Part(0, first, 0, rows, row_size),)
     nparts = num_servers
     if partition_bytes:
-        nparts = max(nparts, -(-size * itemsize // partition_bytes))
+        # whole rounds of the servers: a server with one part more would carry more traffic
+        rounds = -(-size * itemsize // (partition_bytes * num_servers))
+        nparts = num_servers * max(1, rounds)
     nparts = min(nparts, rows)
     cuts = [rows * p // nparts for p in range(nparts + 1)]
     return tuple(Part(p, (first + p) % num_servers, cuts[p], cuts[p + 1], row_size) for p in range(nparts))

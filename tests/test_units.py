@@ -111,6 +111,9 @@ def test_big_arrays_are_cut_into_partitions():
     parts = sharding.layout("big", (4_000_000,), 2, bound=1_000_000, itemsize=4, partition_bytes=4_000_000)
     assert len(parts) == 4 and [p.size for p in parts] == [1_000_000] * 4
     assert sorted(p.server for p in parts) == [0, 0, 1, 1]
+    # whole rounds of the servers, so each holds an equal share: 20 MB over 2 servers -> 6 parts
+    parts = sharding.layout("odd", (5_000_000,), 2, bound=1_000_000, itemsize=4, partition_bytes=4_000_000)
+    assert len(parts) == 6 and sorted(p.server for p in parts) == [0, 0, 0, 1, 1, 1]
     # never more parts than rows, and no partitions below the bound
     assert len(sharding.layout("r", (3, 2_000_000), 2, 1_000_000, 4, 1 << 20)) == 3
     assert len(sharding.layout("s", (999_999,), 2, 1_000_000, 4, 1)) == 1
@@ -125,7 +128,7 @@ def test_split_rows_routes_ids():
 # ---- config ----
 def test_config_defaults_and_dmlc_aliases():
     cfg = Config.from_env({})
-    assert (cfg.role, cfg.num_workers, cfg.scheduler, cfg.bigarray_bound) == ("worker", 1, None, 1_000_000)
+    assert (cfg.role, cfg.num_workers, cfg.scheduler, cfg.bigarray_bound) == ("worker", 1, None, 250_000)
     cfg = Config.from_env({"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9091",
                            "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2"})
     assert (cfg.role, cfg.scheduler, cfg.num_workers, cfg.num_servers) == ("server", ("10.0.0.1", 9091), 4, 2)
