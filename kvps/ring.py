@@ -143,12 +143,17 @@ class Ring:
 
         def settle(a):
             tracker = sending.pop(a, None)
-            if tracker is not None and not tracker.done:
-                try:
-                    tracker.wait(max(0.0, deadline - time.monotonic()))
-                except zmq.NotDone:
+            while tracker is not None and not tracker.done:
+                # a send to a dead neighbour never completes: watch for the failure meanwhile
+                if self.node.failure is not None:
+                    raise self.node.failure
+                if time.monotonic() > deadline:
                     raise KVTimeoutError(f"{what}: a chunk sent to {self.right} was still unsent after "
-                                         f"{self.cfg.timeout:g} s (KVPS_TIMEOUT)") from None
+                                         f"{self.cfg.timeout:g} s (KVPS_TIMEOUT)")
+                try:
+                    tracker.wait(0.1)
+                except zmq.NotDone:
+                    pass
 
         def chunks(segment):
             lo, hi = bounds[segment], bounds[segment + 1]

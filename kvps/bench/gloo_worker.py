@@ -11,6 +11,7 @@ prints JSON lines in workloads.py's format.
 import argparse
 import datetime
 import math
+import os
 import sys
 
 import torch
@@ -90,4 +91,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: torch's gloo threads sometimes abort in static destructors
+    # ("terminate called without an active exception", SIGABRT) after all results are out.
+    os._exit(code)
