@@ -458,9 +458,12 @@ def test_async_trains(cluster, update_on):
     finals = [lines[0]["final"] for lines in results]
     for lines in results:
         losses = lines[0]["losses"]
-        # Async interleaving depends on scheduling (a loaded machine gives staler gradients), so the
-        # run must train, and land near the every-push reference, but not match it exactly.
-        assert losses[-1] < 0.5 * start and abs(lines[0]["final"] - ref) < 0.25 * start, (losses, ref, start)
+        # Async interleaving depends on scheduling: on a loaded machine one worker may run most of its
+        # steps before the other's pushes land, so each worker's own curve must fall, and the final
+        # weights (every push in, after join) must train and land near the every-push reference.
+        assert losses[-1] < 0.75 * start, (losses, start)
+        final = lines[0]["final"]
+        assert final < 0.5 * start and abs(final - ref) < 0.25 * start, (final, ref, start)
     assert finals[0] == pytest.approx(finals[1], rel=1e-6)    # both read the servers' weights at the end
     assert results[0][0]["last"] == results[1][0]["last"] in (0, 1)
     assert "use root_rank=0" in results[0][0]["refused"]        # dist_async cannot sum a broadcast
