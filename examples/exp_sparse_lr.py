@@ -161,12 +161,8 @@ def main():
         residual = 1.0 / (1.0 + np.exp(-margin)) - train.labels[picks]         # d loss / d margin
         grad[:] = np.bincount(ids, weights=residual[which], minlength=args.dim) / args.batch
         kv.push(keys, grads)
-        book.stepped()
-        if book.due():
-            evaluate()
-    if book.due():                 # rank 0: the final weights
-        evaluate()
-    book.finish()
+        book.after_step(evaluate)
+    book.finish(evaluate)              # rank 0 evaluates the final weights; every worker joins
     kv.close()
 
 

@@ -161,6 +161,12 @@ class Logbook:
         self._step_times.append(now - self._last)
         self._last = now
 
+    def after_step(self, evaluate):
+        """Count the step just taken, and call evaluate() (rank 0) when a point is due."""
+        self.stepped()
+        if self.due():
+            evaluate()
+
     def due(self):
         """Rank 0 only: whether an evaluation point is due now. Once training() has said stop,
         whether the final weights still need one (they do unless this step was just evaluated)."""
@@ -191,9 +197,12 @@ class Logbook:
                         "updates": updates, "loss": round(float(loss), 5), "accuracy": round(float(accuracy), 5)},
                        **{k: round(float(v), 5) for k, v in extra.items()}))
 
-    def finish(self, **extra):
-        """Join (so rounds never wait for a worker that stopped early), then print the final line.
-        Rank 0's line carries the servers' counters, read once every worker has joined."""
+    def finish(self, evaluate=None, **extra):
+        """Evaluate the final weights (rank 0, unless the last step just was), join (so rounds never
+        wait for a worker that stopped early), then print the final line. Rank 0's line carries
+        the servers' counters, read once every worker has joined."""
+        if evaluate is not None and self.due():
+            evaluate()
         elapsed = self.clock()
         self.kv.join()
         line = {"event": "final", "rank": self.rank, "workers": self.workers, "steps": self.steps,
