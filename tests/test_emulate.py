@@ -197,7 +197,9 @@ def test_tcp_transfers_run_at_the_link_rate(no_leaks):
         fanin = transfer(net, [("h0", "h2"), ("h1", "h2")], nbytes, timeout=30)["h2"]
     assert single["bytes"] == nbytes and fanin["bytes"] == 2 * nbytes
     assert single["seconds"] == pytest.approx(one, rel=0.2)
-    assert fanin["seconds"] == pytest.approx(2 * one, rel=0.2)
+    # two flows into one shared link: twice one transfer (an unshared link would take `one`); the
+    # flows' losses at the shared queue cost some more, by how much depends on the machine's load
+    assert 0.8 * 2 * one < fanin["seconds"] < 1.35 * 2 * one, fanin
     # half duplex would take twice as long; slow start behind the other direction's data costs a little
     assert all(r["seconds"] < 1.35 * one for r in duplex.values()), duplex
 
