@@ -54,41 +54,29 @@ class Consistency:
         text after its ':' ("4", "inf", "backup=1"), and create()'s options. Raises ValueError
         naming the type and the bad value; a suffix and an option that disagree are an error too."""
         name = name or (f"{mode}:{suffix}" if suffix else mode)
+        for option, value, owner in (("staleness", staleness, "ssp"), ("backup_workers", backup_workers, "sync")):
+            if value is not None and mode != owner:
+                raise ValueError(f"{option}={value!r} applies to dist_{owner}, not {name!r}")
         if mode == "ssp":
-            from_suffix = None
-            if suffix:
-                if not re.fullmatch(r"\d+|inf", suffix):
-                    raise ValueError(f"staleness {suffix!r} in kvstore type {name!r} must be an int >= 0 or inf")
-                from_suffix = math.inf if suffix == "inf" else int(suffix)
+            if suffix and not re.fullmatch(r"\d+|inf", suffix):
+                raise ValueError(f"staleness {suffix!r} in kvstore type {name!r} must be an int >= 0 or inf")
             if staleness is not None:
                 staleness = math.inf if staleness == "inf" else staleness
                 _check_staleness(staleness)
-            if from_suffix is None and staleness is None:
+            given = (math.inf if suffix == "inf" else int(suffix)) if suffix else None
+            bound = _agree(name, f"staleness {suffix}", given, "staleness", staleness)
+            if bound is None:
                 raise ValueError(f"kvstore type {name!r} needs a staleness bound: {HOW['ssp']}")
-            if from_suffix is not None and staleness is not None and from_suffix != staleness:
-                raise ValueError(f"kvstore type {name!r} says staleness {suffix}, but staleness={staleness!r}")
-            if backup_workers is not None:
-                raise ValueError(f"backup_workers={backup_workers!r} applies to dist_sync, not {name!r}")
-            bound = from_suffix if from_suffix is not None else staleness
             return cls("ssp", staleness=bound if math.isinf(bound) else int(bound))
-        if staleness is not None:
-            raise ValueError(f"staleness={staleness!r} applies to dist_ssp, not {name!r}")
         if mode == "sync":
-            from_suffix = None
-            if suffix:
-                match = re.fullmatch(r"backup=(\d+)", suffix)
-                if match is None:
-                    raise ValueError(f"kvstore type {name!r}: {suffix!r} is not 'backup=B' (B an int >= 0); "
-                                     f"{HOW['sync']}")
-                from_suffix = int(match.group(1))
+            match = re.fullmatch(r"backup=(\d+)", suffix) if suffix else None
+            if suffix and match is None:
+                raise ValueError(f"kvstore type {name!r}: {suffix!r} is not 'backup=B' (B an int >= 0); "
+                                 f"{HOW['sync']}")
             if backup_workers is not None:
                 _check_int(backup_workers, "backup_workers")
-            if from_suffix is not None and backup_workers is not None and from_suffix != backup_workers:
-                raise ValueError(f"kvstore type {name!r} says backup={from_suffix}, "
-                                 f"but backup_workers={backup_workers!r}")
-            return cls("sync", backup=int(from_suffix if from_suffix is not None else (backup_workers or 0)))
-        if backup_workers is not None:
-            raise ValueError(f"backup_workers={backup_workers!r} applies to dist_sync, not {name!r}")
+            given = int(match.group(1)) if match else None
+            return cls("sync", backup=int(_agree(name, suffix, given, "backup_workers", backup_workers) or 0))
         if suffix:
             raise ValueError(f"kvstore type {name!r}: {mode} takes no ':' options")
         return cls(mode)
@@ -131,6 +119,14 @@ class Consistency:
     def bounded(self):
         """True when pulls may have to wait for other workers (sync, and ssp with a finite bound)."""
         return self.mode == "sync" or (self.mode == "ssp" and not math.isinf(self.staleness))
+
+
+def _agree(name, said, from_suffix, option, value):
+    """The one value a type's suffix and create()'s option give (None if neither); ValueError if
+    they disagree."""
+    if from_suffix is not None and value is not None and from_suffix != value:
+        raise ValueError(f"kvstore type {name!r} says {said}, but {option}={value!r}")
+    return from_suffix if from_suffix is not None else value
 
 
 def _check_int(value, what):

@@ -236,7 +236,9 @@ class KVStore(abc.ABC):
                              f"{op} got {what} {describe(array.dtype, array.shape)}")
 
     def _values(self, keys, values, op):
-        """[(KeyInfo, array)], one merged array per key, every one checked before any is sent."""
+        """[(KeyInfo, array)], one merged array per key, every one checked before any is sent.
+        Every kvstore's push and pushpull come through here, so this is also where a worker the
+        launcher made a straggler sleeps, once per step (_straggle)."""
         items = []
         for key, vals in pairs(keys, values, op):
             info = self._info(key, op)

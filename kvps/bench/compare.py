@@ -36,6 +36,7 @@ import time
 from kvps.errors import KVPSError
 
 from . import compare_report, workloads
+from .logged_job import TIMED_OUT
 from .pushpull import JobFailed, kvps_job, median_run, results
 
 SYSTEMS = ("sync", "async", "ring", "gloo", "mxnet")
@@ -193,32 +194,29 @@ def run_kvps(setup, plan_path, args):
 
 
 def run_gloo(setup, plan_path, args, logdir):
-    from .gloo_job import TIMED_OUT, GlooJob
+    from .gloo_job import GlooJob
     job = GlooJob(setup.workers, plan_path, logdir, collective_timeout=max(10.0, args.timeout / 2),
                   env=_threads_env(args, setup.workers))
-    return _run_children(job, setup, args, TIMED_OUT)
+    return _run_children(job, setup, args)
 
 
 def run_mxnet(setup, plan_path, args, logdir):
-    from .mxnet_job import TIMED_OUT, MXNetJob
+    from .mxnet_job import MXNetJob
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_compare_worker.py")
     job = MXNetJob(args.mxnet, setup.workers, setup.servers, [script, plan_path], logdir,
                    env=_threads_env(args, setup.workers))
-    return _run_children(job, setup, args, TIMED_OUT)
+    return _run_children(job, setup, args)
 
 
-def _run_children(job, setup, args, timed_out):
-    """Start a GlooJob or MXNetJob, wait with the deadline, and read rank 0's results."""
+def _run_children(job, setup, args):
+    """Start a GlooJob or MXNetJob, wait with the deadline (wait() stops every child, whatever
+    happens), and read rank 0's results."""
     try:
         job.start()
     except OSError as exc:
         raise JobFailed(f"the {setup.label} job did not start: {exc}") from None
-    try:
-        code = job.wait(args.timeout)
-    except BaseException:
-        job.stop()
-        raise
-    if code == timed_out:
+    code = job.wait(args.timeout)
+    if code == TIMED_OUT:
         raise JobFailed(f"the {setup.label} job did not finish within --timeout {args.timeout:g} s\n{job.logs()}")
     if code:
         raise JobFailed(f"the {setup.label} job failed (exit code {code})\n{job.logs()}")

@@ -14,12 +14,9 @@ import os
 import socket
 import subprocess
 
-from kvps.launcher import stop_processes, wait_children
+from .logged_job import LoggedJob
 
-TIMED_OUT = 124            # wait()'s result when the deadline passes (as timeout(1))
 DRAIN_TIMEOUT = 30.0       # seconds for scheduler and servers to exit after the workers
-STOP_TIMEOUT = 5.0         # seconds between SIGTERM and SIGKILL
-POLL = 0.05                # seconds between checks of the children
 
 # Variables of the kvps environment that must not leak into MXNet's interpreter.
 _DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "__PYVENV_LAUNCHER__")
@@ -58,16 +55,18 @@ def check_python(python, timeout=60.0):
     return None
 
 
-class MXNetJob:
-    """Scheduler, servers and workers of one MXNet job; logs go to files in `logdir`."""
+class MXNetJob(LoggedJob):
+    """Scheduler, servers and workers of one MXNet job; logs go to files mxnet-<name>.log in `logdir`.
+    wait() gives the scheduler and servers DRAIN_TIMEOUT to exit after the workers."""
+
+    prefix, label, drain = "mxnet", "MXNet", DRAIN_TIMEOUT
 
     def __init__(self, python, num_workers, num_servers, worker_args, logdir, env=None):
+        super().__init__(logdir)
         self.python = python
         self.num_workers, self.num_servers = num_workers, num_servers
         self.worker_args = list(worker_args)
-        self.logdir = logdir
         self.env = environ(env)
-        self.procs = []            # (name, Popen)
         self.port = None
 
     def start(self):
@@ -76,52 +75,16 @@ class MXNetJob:
                 "DMLC_NODE_HOST": "127.0.0.1", "DMLC_NUM_SERVER": str(self.num_servers),
                 "DMLC_NUM_WORKER": str(self.num_workers), "PYTHONUNBUFFERED": "1"}
         try:
-            self._spawn("H", [self.python, "-c", "import mxnet"], dict(base, DMLC_ROLE="scheduler"))
+            self._node("H", [self.python, "-c", "import mxnet"], dict(base, DMLC_ROLE="scheduler"))
             for rank in range(self.num_servers):
-                self._spawn(f"S{rank}", [self.python, "-c", "import mxnet"], dict(base, DMLC_ROLE="server"))
+                self._node(f"S{rank}", [self.python, "-c", "import mxnet"], dict(base, DMLC_ROLE="server"))
             for rank in range(self.num_workers):
                 # ps-lite assigns worker ranks itself; the log names are only the start order.
-                self._spawn(f"W{rank}", [self.python, *self.worker_args], dict(base, DMLC_ROLE="worker"))
+                self._node(f"W{rank}", [self.python, *self.worker_args], dict(base, DMLC_ROLE="worker"))
         except OSError:
             self.stop()
             raise
         return self
 
-    def _spawn(self, name, argv, extra):
-        with open(self._log(name), "wb") as log:
-            proc = subprocess.Popen(argv, env=dict(self.env, **extra), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append((name, proc))
-
-    def _log(self, name):
-        return os.path.join(self.logdir, f"mxnet-{name}.log")
-
-    def wait(self, timeout):
-        """Wait until every worker has exited, then for the daemons (DRAIN_TIMEOUT).
-
-        Returns 0 when all exited cleanly, the first failure's exit code (a signal as
-        128+signal) when a child failed, or TIMED_OUT. Every child is stopped on return.
-        """
-        try:
-            code = wait_children(self.procs, timeout, DRAIN_TIMEOUT, poll=POLL)
-            return TIMED_OUT if code is None else code
-        finally:
-            self.stop()
-
-
-    def stop(self):
-        """SIGTERM every child still running, then SIGKILL those still there after STOP_TIMEOUT."""
-        stop_processes([p for _, p in self.procs], STOP_TIMEOUT)
-
-    def output(self, name):
-        with open(self._log(name), errors="replace") as f:
-            return f.read()
-
-    def logs(self, tail=3000):
-        """Each child's exit status and the end of its log, for error messages."""
-        parts = []
-        for name, proc in self.procs:
-            text = self.output(name)[-tail:]
-            status = "running" if proc.poll() is None else f"exit {proc.returncode}"
-            parts.append(f"--- MXNet {name} ({status})\n{text.rstrip()}")
-        return "\n".join(parts)
+    def _node(self, name, argv, extra):
+        self._spawn(name, argv, dict(self.env, **extra))

@@ -164,7 +164,8 @@ def run_kvps(args, plan_path):
 
 
 def run_mxnet(args, plan_path, logdir):
-    from .mxnet_job import TIMED_OUT, MXNetJob
+    from .logged_job import TIMED_OUT
+    from .mxnet_job import MXNetJob
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_worker.py")
     try:
