@@ -36,8 +36,7 @@ import time
 from kvps.errors import KVPSError
 
 from . import compare_report, workloads
-from .logged_job import TIMED_OUT
-from .pushpull import JobFailed, kvps_job, median_run, results
+from .pushpull import JobFailed, kvps_job, median_run, results, run_logged
 
 SYSTEMS = ("sync", "async", "ring", "gloo", "mxnet")
 LABELS = {"sync": "PS sync", "async": "PS async", "ring": "kvps ring", "gloo": "gloo all-reduce",
@@ -197,7 +196,7 @@ def run_gloo(setup, plan_path, args, logdir):
     from .gloo_job import GlooJob
     job = GlooJob(setup.workers, plan_path, logdir, collective_timeout=max(10.0, args.timeout / 2),
                   env=_threads_env(args, setup.workers))
-    return _run_children(job, setup, args)
+    return run_logged(job, setup.label, args.timeout, args.verbose)
 
 
 def run_mxnet(setup, plan_path, args, logdir):
@@ -205,25 +204,7 @@ def run_mxnet(setup, plan_path, args, logdir):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_compare_worker.py")
     job = MXNetJob(args.mxnet, setup.workers, setup.servers, [script, plan_path], logdir,
                    env=_threads_env(args, setup.workers))
-    return _run_children(job, setup, args)
-
-
-def _run_children(job, setup, args):
-    """Start a GlooJob or MXNetJob, wait with the deadline (wait() stops every child, whatever
-    happens), and read rank 0's results."""
-    try:
-        job.start()
-    except OSError as exc:
-        raise JobFailed(f"the {setup.label} job did not start: {exc}") from None
-    code = job.wait(args.timeout)
-    if code == TIMED_OUT:
-        raise JobFailed(f"the {setup.label} job did not finish within --timeout {args.timeout:g} s\n{job.logs()}")
-    if code:
-        raise JobFailed(f"the {setup.label} job failed (exit code {code})\n{job.logs()}")
-    if args.verbose:
-        sys.stderr.write(job.logs(tail=100_000) + "\n")
-    return results("".join(f"[{name}] {line}\n" for name, _ in job.procs if name.startswith("W")
-                           for line in job.output(name).splitlines()))
+    return run_logged(job, setup.label, args.timeout, args.verbose)
 
 
 def _threads_env(args, workers):

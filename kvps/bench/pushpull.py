@@ -164,24 +164,29 @@ def run_kvps(args, plan_path):
 
 
 def run_mxnet(args, plan_path, logdir):
-    from .logged_job import TIMED_OUT
     from .mxnet_job import MXNetJob
-
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_worker.py")
+    job = MXNetJob(args.mxnet, args.workers, args.servers, [script, plan_path], logdir)
+    return run_logged(job, "MXNet", args.timeout, args.verbose)
+
+
+def run_logged(job, label, timeout, verbose=False):
+    """Start a LoggedJob (gloo's or MXNet's), wait with the deadline (wait() stops every child,
+    whatever happens), and return the result rows its workers printed; JobFailed otherwise."""
+    from .logged_job import TIMED_OUT
     try:
-        job = MXNetJob(args.mxnet, args.workers, args.servers, [script, plan_path], logdir).start()
+        job.start()
     except OSError as exc:
-        raise JobFailed(f"the MXNet job did not start: {exc}") from None
-    code = job.wait(args.timeout)
+        raise JobFailed(f"the {label} job did not start: {exc}") from None
+    code = job.wait(timeout)
     if code == TIMED_OUT:
-        raise JobFailed(f"the MXNet job did not finish within --timeout {args.timeout:g} s\n{job.logs()}")
+        raise JobFailed(f"the {label} job did not finish within --timeout {timeout:g} s\n{job.logs()}")
     if code:
-        raise JobFailed(f"the MXNet job failed (exit code {code})\n{job.logs()}")
-    text = "".join(f"[{name}] " + line + "\n" for name, _ in job.procs if name.startswith("W")
-                   for line in job.output(name).splitlines())
-    if args.verbose:
+        raise JobFailed(f"the {label} job failed (exit code {code})\n{job.logs()}")
+    if verbose:
         sys.stderr.write(job.logs(tail=100_000) + "\n")
-    return results(text)
+    return results("".join(f"[{name}] {line}\n" for name, _ in job.procs if name.startswith("W")
+                           for line in job.output(name).splitlines()))
 
 
 def missing(plan, rows):
