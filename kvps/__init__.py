@@ -4,11 +4,11 @@
     kv = kvps.create("dist_sync")      # in a job started by `kvps launch`
     kv.init("w", weights); kv.push("w", grad); kv.pull("w", out=weights)
 """
-from . import optimizer
-from .errors import (KVPSError, ConfigError, ProtocolError, KVTimeoutError, NodeFailure, RemoteError,
+from kvps import optimizer
+from kvps.errors import (KVPSError, ConfigError, ProtocolError, KVTimeoutError, NodeFailure, RemoteError,
                      KernelUnavailable)
-from .kvstore import KVStore, create
-from .ring import allreduce
+from kvps.kvstore import KVStore, create
+from kvps.kvstore.allreduce import allreduce
 
 __version__ = "0.1.0"
 
@@ -18,15 +18,15 @@ __all__ = ["create", "allreduce", "KVStore", "optimizer", "KVPSError", "ConfigEr
 
 def _serve_mxnet_style():
     """`DMLC_ROLE=server python -c "import kvps"` runs that daemon and exits, as `import mxnet`
-    does, so MXNet-style launch scripts start kvps jobs unchanged. `python -m kvps.server`
+    does, so MXNet-style launch scripts start kvps jobs unchanged. `python -m kvps.cli server`
     and the `kvps` command are left alone (sys.argv[0] is "-m" while -m imports packages)."""
     import os
     import sys
     role = os.environ.get("DMLC_ROLE")
     argv0 = sys.argv[0] if sys.argv else ""
     if role in ("server", "scheduler") and argv0 != "-m" and os.path.basename(argv0) != "kvps":
-        from .cli import main
-        sys.exit(main([role]))
+        from kvps import roles
+        sys.exit(roles.run(role, []))
 
 
 _serve_mxnet_style()

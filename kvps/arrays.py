@@ -7,7 +7,7 @@ CUDA tensors are copied through host memory (for now).
 import ml_dtypes
 import numpy as np
 
-from .protocol import dtype_code
+from kvps.dtypes import dtype_code
 
 
 def is_torch(x):

@@ -13,57 +13,11 @@ import importlib
 import logging
 import sys
 
-from .config import Config
-from .errors import KVPSError
-
-
-def _logging(cfg, role):
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s kvps-{role} %(levelname)s %(message)s")
-
-
-def _config(role, args=None, **changes):
-    cfg = Config.from_env()
-    changes = {k: v for k, v in changes.items() if v is not None}
-    cfg = cfg.replace(role=role, **changes)
-    _logging(cfg, role)
-    return cfg
-
-
-def cmd_scheduler(args):
-    from .scheduler import Scheduler
-    cfg = _config("scheduler", num_workers=args.num_workers, num_servers=args.num_servers)
-    host, port = args.host, args.port
-    if cfg.scheduler is not None:            # started MXNet-style: DMLC_PS_ROOT_URI / _PORT
-        host = host or cfg.scheduler[0]
-        port = cfg.scheduler[1] if port is None else port
-    scheduler = Scheduler(cfg, host or "127.0.0.1", port or 0)
-    shown = scheduler.host if scheduler.host != "0.0.0.0" else "127.0.0.1"
-    print(f"READY {shown}:{scheduler.port}", flush=True)
-    return scheduler.serve()
-
-
-def cmd_server(args):
-    from .server.server import Server
-    from .server.updaters import Registry
-    scheduler = None
-    if args.scheduler:
-        host, _, port = args.scheduler.rpartition(":")
-        if not host or not port.isdigit():
-            raise KVPSError(f"--scheduler {args.scheduler!r} is not HOST:PORT")
-        scheduler = (host, int(port))
-    cfg = _config("server", scheduler=scheduler, port=args.port, host=args.host)
-    cfg.require_scheduler()
-    registry = Registry()
-    for module in args.plugin:
-        registry.load_plugin(module)
-    server = Server(cfg, registry)
-    print(f"READY {server.host}:{server.van.port}", flush=True)
-    return server.serve()
+from kvps.errors import KVPSError
 
 
 def cmd_launch(args):
-    from . import launcher
+    from kvps import launcher
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     env = launcher.parse_env(args.env)
     worker_env = launcher.straggler_env(args.straggler, args.num_workers, args.straggler_seed)
@@ -76,13 +30,13 @@ def cmd_launch(args):
 
 
 def cmd_bench(args):
-    module = importlib.import_module(f"kvps.bench.{args.what}")
+    module = importlib.import_module(f"kvps.tools.bench.{args.what}")
     return module.main(args.rest)
 
 
 def cmd_info(args):
     import kvps
-    from . import kernels
+    from kvps import kernels
     print(f"kvps {kvps.__version__}")
     print(kernels.describe())
     return 0
@@ -92,20 +46,8 @@ def parser():
     p = argparse.ArgumentParser(prog="kvps", description="kvps: a parameter server for distributed training")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("scheduler", help="run the scheduler (prints READY HOST:PORT)")
-    s.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=None, help="port to bind (0: any free port, the default)")
-    s.add_argument("-n", "--num-workers", type=int, default=None, help="workers in the job (KVPS_NUM_WORKERS)")
-    s.add_argument("-s", "--num-servers", type=int, default=None, help="servers in the job (KVPS_NUM_SERVERS)")
-    s.set_defaults(fn=cmd_scheduler)
-
-    s = sub.add_parser("server", help="run a key-value server")
-    s.add_argument("--scheduler", default=None, help="the scheduler's HOST:PORT (KVPS_SCHEDULER)")
-    s.add_argument("--host", default=None, help="address to bind and advertise (KVPS_HOST)")
-    s.add_argument("--port", type=int, default=None, help="port to bind (KVPS_PORT; 0: any)")
-    s.add_argument("--plugin", action="append", default=[],
-                   help="a Python module with kvps_register(registry) that adds update rules")
-    s.set_defaults(fn=cmd_server)
+    sub.add_parser("scheduler", add_help=False, help="run the scheduler (prints READY HOST:PORT)")
+    sub.add_parser("server", add_help=False, help="run a key-value server (prints READY HOST:PORT)")
 
     s = sub.add_parser("launch", help="start a whole job: scheduler, servers and workers")
     s.add_argument("-n", "--num-workers", type=int, required=True)
@@ -141,11 +83,18 @@ def parser():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["server"], ["scheduler"]):     # the daemons' own parsers (server/, scheduler/)
+        from kvps import roles
+        try:
+            return roles.run(argv[0], argv[1:])
+        except KVPSError as exc:
+            print(f"kvps {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
     if argv[:1] == ["emulate"]:          # its own parser: options before and after "--"
-        from .emulate import main as emulate_main
+        from kvps.tools.emulate import main as emulate_main
         return emulate_main(argv[1:])
-    if argv[:1] == ["experiment"]:       # its own parser too (kvps/experiment/cli.py)
-        from .experiment import main as experiment_main
+    if argv[:1] == ["experiment"]:       # its own parser too (kvps/tools/experiment/cli.py)
+        from kvps.tools.experiment import main as experiment_main
         return experiment_main(argv[1:])
     args = parser().parse_args(argv)
     try:

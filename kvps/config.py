@@ -5,12 +5,12 @@
 
 MXNet's DMLC_* names are accepted where kvps has an equivalent, so an MXNet
 launch script starts a kvps job unchanged; a KVPS_* variable wins over its DMLC_*
-twin. docs/config.md lists the same variables (tests/test_config.py keeps it true).
+twin. docs/config.md lists the same variables (tests/unit/test_units.py keeps it true).
 """
 import dataclasses
 import os
 
-from .errors import ConfigError
+from kvps.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,28 +89,33 @@ def _scheduler(environ):
     return None
 
 
+def _default(field):
+    return _BY_NAME["KVPS_" + field.upper()].default
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    role: str = "worker"
+    """The parsed variables: field NAME is KVPS_NAME, with VARIABLES' default (written only there)."""
+    role: str = _default("role")
     scheduler: tuple = None            # (host, port) or None when not in a job
-    num_workers: int = 1
-    num_servers: int = 1
-    rank: int = -1
-    host: str = None
-    port: int = 0
-    timeout: float = 300.0
-    connect_timeout: float = 120.0
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0
-    bigarray_bound: int = 250_000
-    partition_bytes: int = 4 << 20
-    message_bytes: int = 4 << 20
-    fusion_bytes: int = 64 << 20
-    ring_chunk_bytes: int = 4 << 20
-    kernels: str = "auto"
-    straggler: str = None
-    straggler_seed: int = 0
-    log_level: str = "WARNING"
+    num_workers: int = _default("num_workers")
+    num_servers: int = _default("num_servers")
+    rank: int = _default("rank")
+    host: str = _default("host")
+    port: int = _default("port")
+    timeout: float = _default("timeout")
+    connect_timeout: float = _default("connect_timeout")
+    heartbeat_interval: float = _default("heartbeat_interval")
+    heartbeat_timeout: float = _default("heartbeat_timeout")
+    bigarray_bound: int = _default("bigarray_bound")
+    partition_bytes: int = _default("partition_bytes")
+    message_bytes: int = _default("message_bytes")
+    fusion_bytes: int = _default("fusion_bytes")
+    ring_chunk_bytes: int = _default("ring_chunk_bytes")
+    kernels: str = _default("kernels")
+    straggler: str = _default("straggler")
+    straggler_seed: int = _default("straggler_seed")
+    log_level: str = _default("log_level")
 
     @classmethod
     def from_env(cls, environ=None):
@@ -137,7 +142,7 @@ class Config:
             raise ConfigError(f"KVPS_HEARTBEAT_TIMEOUT={self.heartbeat_timeout} must exceed "
                               f"KVPS_HEARTBEAT_INTERVAL={self.heartbeat_interval}")
         if self.straggler:
-            from .straggler import parse
+            from kvps.straggler import parse
             parse(self.straggler)
         if self.bigarray_bound < 1:
             raise ConfigError(f"KVPS_BIGARRAY_BOUND={self.bigarray_bound} must be at least 1")
@@ -153,3 +158,14 @@ class Config:
         cfg = dataclasses.replace(self, **changes)
         cfg.validate()
         return cfg
+
+
+def for_role(role, **changes):
+    """The config a daemon runs with: the environment, then the non-None `changes` (its flags);
+    also sets the process's log format, which names the role."""
+    import logging
+    import sys
+    cfg = Config.from_env().replace(role=role, **{k: v for k, v in changes.items() if v is not None})
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s kvps-{role} %(levelname)s %(message)s")
+    return cfg

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from .errors import ConfigError, KVTimeoutError
+from kvps.errors import ConfigError, KVTimeoutError
 
 READY_TIMEOUT = 30.0      # seconds for the scheduler to print READY
 DRAIN_TIMEOUT = 30.0      # seconds for servers and scheduler to exit once the workers are done
@@ -69,13 +69,13 @@ class Job:
     def start(self):
         base = {"KVPS_NUM_WORKERS": str(self.num_workers), "KVPS_NUM_SERVERS": str(self.num_servers),
                 "PYTHONUNBUFFERED": "1"}
-        sched = self._start("H", [self.python, "-m", "kvps.scheduler", "--port", "0"],
+        sched = self._start("H", [self.python, "-m", "kvps.cli", "scheduler", "--port", "0"],
                             dict(base, KVPS_ROLE="scheduler"), pipe_ready=True)
         self.scheduler_address = self._await_ready(sched)
         self._pump("H", sched)
         base["KVPS_SCHEDULER"] = self.scheduler_address
         for rank in range(self.num_servers):
-            self._start(f"S{rank}", [self.python, "-m", "kvps.server"],
+            self._start(f"S{rank}", [self.python, "-m", "kvps.cli", "server"],
                         dict(base, KVPS_ROLE="server", KVPS_RANK=str(rank)))
         for rank in range(self.num_workers):
             self._start(f"W{rank}", self.command, dict(base, KVPS_ROLE="worker", KVPS_RANK=str(rank),
@@ -195,7 +195,7 @@ def _signal(proc, sig):
 
 def straggler_env(items, num_workers, seed=0):
     """{rank: variables} that make the workers named by --straggler RANK=SPEC options stragglers."""
-    from .straggler import parse_assignments
+    from kvps.straggler import parse_assignments
     return {rank: {"KVPS_STRAGGLER": str(spec), "KVPS_STRAGGLER_SEED": str(seed)}
             for rank, spec in parse_assignments(items, num_workers).items()}
 
@@ -238,7 +238,7 @@ def ssh_commands(num_workers, num_servers, command, hosts, scheduler_host, port,
     cwd = cwd or os.getcwd()
     base = dict(env or {}, KVPS_SCHEDULER=f"{scheduler_host}:{port}", KVPS_NUM_WORKERS=str(num_workers),
                 KVPS_NUM_SERVERS=str(num_servers))
-    cmds = [("H", [python, "-m", "kvps.scheduler", "--host", "0.0.0.0", "--port", str(port)])]
+    cmds = [("H", [python, "-m", "kvps.cli", "scheduler", "--host", "0.0.0.0", "--port", str(port)])]
 
     def remote(host, role, rank, argv, extra=None):
         assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in
@@ -247,7 +247,7 @@ def ssh_commands(num_workers, num_servers, command, hosts, scheduler_host, port,
         return ["ssh", "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes", host, script]
 
     for rank in range(num_servers):
-        cmds.append((f"S{rank}", remote(hosts[rank % len(hosts)], "server", rank, [python, "-m", "kvps.server"])))
+        cmds.append((f"S{rank}", remote(hosts[rank % len(hosts)], "server", rank, [python, "-m", "kvps.cli", "server"])))
     for rank in range(num_workers):
         cmds.append((f"W{rank}", remote(hosts[rank % len(hosts)], "worker", rank, list(command),
                                         (worker_env or {}).get(rank))))

@@ -3,7 +3,7 @@
     kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-4))
 
 The worker only sends {"name": ..., "params": {...}}; the servers look the name
-up among the update rules their operator installed (kvps.server.updaters, plus
+up among the update rules their operator installed (kvps.ps.rules, plus
 any --plugin module), so no code travels over the network. The formulas are
 MXNet's; docs/optimizers.md writes them out.
 """

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .errors import ConfigError
+from kvps.errors import ConfigError
 
 KINDS = {"fixed": 1, "exp": 1, "uniform": 2}
 

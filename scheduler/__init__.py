@@ -2,8 +2,8 @@
 watches heartbeats and ends the job when the workers finish.
 
     kvps scheduler --port 0 --num-workers 2 --num-servers 1     # prints "READY HOST:PORT"
-    python -m kvps.scheduler ...                                  # the same
+    python -m scheduler ...                                  # the same
 """
-from .scheduler import Scheduler
+from scheduler.scheduler import Scheduler
 
 __all__ = ["Scheduler"]

@@ -1,7 +1,37 @@
-"""python -m kvps.scheduler: run a scheduler (see `kvps scheduler --help`)."""
+"""The scheduler's command line: `kvps scheduler ...` or `python -m scheduler ...`."""
+import argparse
 import sys
 
-from kvps.cli import main
+from kvps.config import for_role
+from kvps.errors import KVPSError
+from scheduler.scheduler import Scheduler
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="kvps scheduler", description="run the scheduler (prints READY HOST:PORT)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=None, help="port to bind (0: any free port, the default)")
+    p.add_argument("-n", "--num-workers", type=int, default=None, help="workers in the job (KVPS_NUM_WORKERS)")
+    p.add_argument("-s", "--num-servers", type=int, default=None, help="servers in the job (KVPS_NUM_SERVERS)")
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = for_role("scheduler", num_workers=args.num_workers, num_servers=args.num_servers)
+        host, port = args.host, args.port
+        if cfg.scheduler is not None:            # started MXNet-style: DMLC_PS_ROOT_URI / _PORT
+            host = host or cfg.scheduler[0]
+            port = cfg.scheduler[1] if port is None else port
+        scheduler = Scheduler(cfg, host or "127.0.0.1", port or 0)
+    except KVPSError as exc:
+        print(f"kvps scheduler: error: {exc}", file=sys.stderr)
+        return 2
+    shown = scheduler.host if scheduler.host != "0.0.0.0" else "127.0.0.1"
+    print(f"READY {shown}:{scheduler.port}", flush=True)
+    return scheduler.serve()
+
 
 if __name__ == "__main__":
-    sys.exit(main(["scheduler", *sys.argv[1:]]))
+    sys.exit(main())

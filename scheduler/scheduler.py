@@ -17,9 +17,9 @@ import threading
 import time
 
 from kvps.errors import describe
-from kvps.node import node_name
-from kvps.protocol import Header, Op, error_header
-from kvps.transport import Van
+from kvps.wire.membership import node_name
+from kvps.wire.protocol import Header, Op, error_header
+from kvps.wire.transport import Van
 
 log = logging.getLogger("kvps.scheduler")
 

@@ -49,7 +49,7 @@ timeout 600 $PY -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/test
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "CUDA kernel benchmark"
-timeout 300 $PY -m kvps.bench.kernels --backend cuda --size-mb 256 --repeat 10 2>&1 | tee "$OUT/bench_cuda.md"
+timeout 300 $PY -m kvps.tools.bench.kernels --backend cuda --size-mb 256 --repeat 10 2>&1 | tee "$OUT/bench_cuda.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "done (status $status); logs in $OUT"

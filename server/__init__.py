@@ -1,9 +1,8 @@
 """The kvps key-value server: holds a shard of the parameters and applies pushes.
 
     kvps server --scheduler HOST:PORT [--plugin MODULE]
-    python -m kvps.server ...                                    # the same
+    python -m server ...                                    # the same
 
-Modules: store (values, sync rounds, async and ssp updates), clocks (what each
-worker has pushed and seen: the consistency rules), updaters (server-side
-optimizer rules and their registry), server (the daemon: messages in, replies out).
+Modules: server (the daemon: messages in, replies out), __main__ (its command line).
+The state it keeps, with no sockets, is kvps.ps: store, clocks, rules.
 """

@@ -14,13 +14,14 @@ import threading
 
 import numpy as np
 
-from kvps import compression, kernels
+from kvps import kernels
+from kvps.ps import compression
 from kvps.errors import KVValueError, NodeFailure, ProtocolError, describe, error_kind
-from kvps.node import Node, advertised_host
-from kvps.protocol import DType, Entry, Header, Op, as_array, error_header, numpy_dtype
+from kvps.wire.membership import Node, advertised_host
+from kvps.wire.protocol import DType, Entry, Header, Op, as_array, error_header, numpy_dtype
 
-from .store import Store
-from .updaters import Registry
+from kvps.ps.store import Store
+from kvps.ps.rules import Registry
 
 log = logging.getLogger("kvps.server")
 

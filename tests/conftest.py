@@ -1,6 +1,27 @@
+"""Test tiers: each folder is one tier and gets that pytest marker, so `pytest -m unit` runs the fast one.
+
+    unit/      the library in process, no sockets to other processes (under a minute)
+    kernels/   the compute kernels of every backend against the numpy reference
+    cluster/   real scheduler, server and worker processes on 127.0.0.1
+    tools/     kvps bench, emulate and experiment, end to end
+    gpu/       CUDA kernels on a GPU (skipped without one)
+"""
+import pathlib
+
 import pytest
 
 from harness import Cluster
+
+TIERS = ("unit", "kernels", "cluster", "tools", "gpu")
+HERE = pathlib.Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        tier = pathlib.Path(item.fspath).relative_to(HERE).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture

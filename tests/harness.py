@@ -78,13 +78,13 @@ class Cluster:
         return proc
 
     def start(self):
-        sched = self._spawn("H", [PY, "-m", "kvps.scheduler", "--port", "0"], stdout=subprocess.PIPE)
+        sched = self._spawn("H", [PY, "-m", "kvps.cli", "scheduler", "--port", "0"], stdout=subprocess.PIPE)
         self.address = read_ready(sched, 30, "the scheduler")
         self.env["KVPS_SCHEDULER"] = self.address
         self.server_ports = []
         if self.start_servers:
             for i in range(self.servers):
-                proc = self._spawn(f"S{i}", [PY, "-m", "kvps.server", *self.server_args], stdout=subprocess.PIPE)
+                proc = self._spawn(f"S{i}", [PY, "-m", "kvps.cli", "server", *self.server_args], stdout=subprocess.PIPE)
                 self.server_ports.append(int(read_ready(proc, 30, f"server {i}").rsplit(":", 1)[1]))
         return self
 

@@ -15,8 +15,8 @@ docs/kernels.md has the details and the benchmark figures (`kvps bench kernels`)
 """
 from kvps.errors import KernelUnavailable
 
-from . import cuda, reference
-from .api import *  # noqa: F401,F403
-from .api import __all__ as _api_all
+from kvps.kernels import cuda, reference
+from kvps.kernels.api import *  # noqa: F401,F403
+from kvps.kernels.api import __all__ as _api_all
 
 __all__ = ["KernelUnavailable", "cuda", "reference"] + list(_api_all)

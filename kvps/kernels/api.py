@@ -14,8 +14,8 @@ import numpy as np
 
 from kvps.errors import KernelUnavailable
 
-from . import backends as _backends
-from .reference import bfloat16, topk_index_dtype
+from kvps.kernels import backends as _backends
+from kvps.kernels.reference import bfloat16, topk_index_dtype
 
 F32, F64, F16, BF16 = (np.dtype(t) for t in (np.float32, np.float64, np.float16, bfloat16))
 I32, I64, U32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
@@ -348,7 +348,7 @@ def available_backends():
 
 def set_num_threads(n):
     """Threads the C kernels split large arrays across (default min(CPUs, 8))."""
-    from .native import load
+    from kvps.kernels.native import load
     load().set_num_threads(n)
 
 
@@ -368,7 +368,7 @@ def proc_cpu_features(path="/proc/cpuinfo"):
 
 def describe():
     """Several lines for `kvps info`: backends, CPU features, SIMD path, CUDA."""
-    from . import cuda
+    from kvps.kernels import cuda
     lines = []
     try:
         active = _kernels.active

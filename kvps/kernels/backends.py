@@ -10,7 +10,7 @@ import abc
 
 from kvps.errors import KernelUnavailable
 
-from . import reference
+from kvps.kernels import reference
 
 # The CPU backends in order of preference for KVPS_KERNELS=auto.
 AUTO_ORDER = ("c", "numba", "numpy")
@@ -138,7 +138,7 @@ class NumpyBackend(Backend):
 
 
 def _make_c():
-    from .native import CBackend
+    from kvps.kernels.native import CBackend
     return CBackend()
 
 
@@ -147,7 +147,7 @@ def _make_numba():
         import numba  # noqa: F401
     except ImportError as exc:
         raise KernelUnavailable(f"numba is not installed ({exc})") from None
-    from .numba_impl import NumbaBackend
+    from kvps.kernels.numba_impl import NumbaBackend
     return NumbaBackend()
 
 
@@ -204,7 +204,7 @@ def choose(registry, requested):
     if requested not in CHOICES:
         raise KernelUnavailable(f"KVPS_KERNELS={requested!r} is not one of {', '.join(CHOICES)}")
     if requested == "cuda":
-        from . import cuda
+        from kvps.kernels import cuda
         usable, reason = cuda.status()
         if not usable:
             raise KernelUnavailable(f"KVPS_KERNELS=cuda, but {reason}")

@@ -20,7 +20,7 @@ import os
 
 from kvps.errors import KernelUnavailable
 
-from .native import ABI_VERSION
+from kvps.kernels.native import ABI_VERSION
 
 LIBRARY = "_kvps_cuda.so"
 MAX_SOURCES = 64  # KVPS_CUDA_MAX_SOURCES

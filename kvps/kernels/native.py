@@ -14,8 +14,8 @@ import numpy as np
 
 from kvps.errors import KernelUnavailable
 
-from .backends import Backend
-from .reference import bfloat16, topk_index_dtype
+from kvps.kernels.backends import Backend
+from kvps.kernels.reference import bfloat16, topk_index_dtype
 
 ABI_VERSION = 1
 LIBRARY = "_kvps_kernels.so"

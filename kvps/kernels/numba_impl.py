@@ -10,8 +10,8 @@ gradient first, so each optimizer compiles once. Results equal reference.py bit 
 import numba as nb
 import numpy as np
 
-from .backends import Backend
-from .reference import bfloat16, topk_index_dtype
+from kvps.kernels.backends import Backend
+from kvps.kernels.reference import bfloat16, topk_index_dtype
 
 F32 = np.float32
 _JIT = dict(nogil=True, cache=True, error_model="numpy")  # IEEE division: no ZeroDivisionError

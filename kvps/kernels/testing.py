@@ -1,4 +1,4 @@
-"""Helpers for the kernel parity tests (tests/test_kernels_*.py, tests/gpu/).
+"""Helpers for the kernel parity tests (tests/kernels/test_kernels_*.py, tests/gpu/).
 
 `backends()` lists every backend that can run here, the C library once per SIMD path
 usable on this CPU ("c-avx512", "c-avx2", "c-scalar"), so each path is tested where it
@@ -7,8 +7,8 @@ test data, optionally at a misaligned address, and `assert_same` compares bit fo
 """
 import numpy as np
 
-from .backends import default_registry
-from .reference import bfloat16
+from kvps.kernels.backends import default_registry
+from kvps.kernels.reference import bfloat16
 
 SIZES = (0, 1, 7, 15, 16, 17, 31, 33, 1023, 1025, 2**20 + 3)
 # byte offsets of the first element: 0 = as allocated, 1 = not even element-aligned,

@@ -25,11 +25,11 @@ optimizer (DistributedOptimizer) and rules (torch optimizers as server-side upda
 """
 import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstring)
 
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
-from .bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
-from .optimizer import DistributedOptimizer
-from .rules import server_optimizer
-from .session import ASYNC, MODES, SUMMING, Session, init, join
+from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
+from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
+from kvps.torch.optimizer import DistributedOptimizer
+from kvps.torch.rules import server_optimizer
+from kvps.torch.session import ASYNC, MODES, SUMMING, Session, init, join
 
 __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "buckets", "server_optimizer", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MODES", "SUMMING", "ASYNC",

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from .session import _SESSION, SUMMING
+from kvps.torch.session import _SESSION, SUMMING
 
 
 def _words(t):

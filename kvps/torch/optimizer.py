@@ -4,9 +4,9 @@ import logging
 
 import torch
 
-from .bucketing import BUCKET_BYTES, buckets
-from .rules import server_optimizer
-from .session import _SESSION, ASYNC, SUMMING, _type
+from kvps.torch.bucketing import BUCKET_BYTES, buckets
+from kvps.torch.rules import server_optimizer
+from kvps.torch.session import _SESSION, ASYNC, SUMMING, _type
 
 log = logging.getLogger("kvps.torch")
 

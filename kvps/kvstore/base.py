@@ -1,0 +1,275 @@
+"""The kvstore API (MXNet's names and semantics), shared by every kvstore.
+
+    kv.init(3, np.zeros(10, np.float32))
+    kv.push(3, grad); kv.pull(3, out=weight)
+    kv.pushpull(3, grad)                  # out=None: the result goes into grad
+
+Calls are synchronous by default. With async_op=True they return a Handle at
+once; the caller must not change a pushed value or read an `out` until
+handle.wait() (or kv.wait_all()) returns. Calls on the same key keep their order.
+
+This module holds what every kvstore shares: argument normalisation and the
+checks of keys, shapes and dtypes against what init declared, so every kvstore
+reports bad input the same way before anything is sent.
+"""
+import abc
+import atexit
+import collections
+import dataclasses
+import logging
+import weakref
+
+import numpy as np
+
+from kvps import kernels
+from kvps.arrays import Out, as_numpy, describe
+from kvps.errors import KVKeyError
+
+_UNSET = object()
+
+
+def _check_key(key):
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(f"key {key!r} is a {type(key).__name__}; keys are int or str")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    key: object
+    dtype: np.dtype
+    shape: tuple
+    parts: tuple = ()          # sharding.Part, for dist kvstores
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+def pairs(keys, values, op, what="value"):
+    """[(key, [values])] from MXNet's call forms: one key with one value or a list of
+    values, or a list of keys with a list of values (each one value or a list)."""
+    if isinstance(keys, (list, tuple)):
+        if not isinstance(values, (list, tuple)) or len(keys) != len(values):
+            n = len(values) if isinstance(values, (list, tuple)) else 1
+            raise ValueError(f"{op} got {len(keys)} keys and {n} {what}s; give one {what} (or list) per key")
+        return [(_check_key(k), list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in zip(keys, values)]
+    return [(_check_key(keys), list(values) if isinstance(values, (list, tuple)) else [values])]
+
+
+class KVStore(abc.ABC):
+    """The interface every kvstore implements (parameter server now, ring all-reduce later)."""
+
+    def __init__(self, name):
+        self.type = name
+        self._keys = {}            # key -> KeyInfo
+        self._pending = collections.deque()   # handles of asynchronous calls (handle.remember)
+        self._closed = False
+        self._straggler = _UNSET   # built from the config on the first push
+
+    # ---- identity ----
+    @property
+    @abc.abstractmethod
+    def rank(self): ...
+
+    @property
+    @abc.abstractmethod
+    def num_workers(self): ...
+
+    @property
+    def num_servers(self):
+        return 0
+
+    # ---- collective and data calls ----
+    @abc.abstractmethod
+    def init(self, key, value):
+        """Declare keys and store rank 0's values; every worker waits until they are stored."""
+
+    @abc.abstractmethod
+    def push(self, key, value, priority=0, async_op=False):
+        """Push values (a list of values for one key is summed first)."""
+
+    @abc.abstractmethod
+    def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
+        """Pull the stored values into `out` (a list of outs for one key all get the value)."""
+
+    @abc.abstractmethod
+    def pushpull(self, key, value, out=None, priority=0, async_op=False):
+        """push then pull in one round trip; out=None writes the result into `value`."""
+
+    @abc.abstractmethod
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
+        """Pull only rows `row_ids` (any order, repeats allowed) of each key into `out`, which has
+        the key's full shape: the requested rows are filled, all others set to zero."""
+
+    @abc.abstractmethod
+    def set_optimizer(self, optimizer):
+        """Run `optimizer` (a kvps.optimizer.Optimizer) on the stored values at every push."""
+
+    @abc.abstractmethod
+    def barrier(self):
+        """Wait until every worker reaches the barrier."""
+
+    def wait_all(self, timeout=None):
+        """Wait for every asynchronous call of this kvstore; raises the first one's error."""
+        while self._pending:
+            self._pending.popleft().wait(timeout)
+
+    def join(self):
+        """This worker has run out of data: let the others finish their rounds, wait until every
+        worker has joined, and return the rank of the last one to join."""
+        if self.num_workers > 1:
+            raise NotImplementedError(f"a {self.type} kvstore cannot join()")
+        return self.rank
+
+    def set_gradient_compression(self, compression_params):
+        """Compress pushes on the wire (dist kvstores only; see kvps.ps.compression)."""
+        raise ValueError(f"gradient compression needs a dist kvstore; a {self.type!r} kvstore sends nothing")
+
+    def close(self):
+        """Finish: wait for pending calls (unless the job is broken) and leave the job."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._healthy():
+                self.wait_all()
+        finally:
+            self._leave()
+
+    def _healthy(self):
+        return True
+
+    def _leave(self):
+        """Tell the job this worker is done and release what the kvstore holds."""
+
+    def _close_at_exit(self):
+        """Close this kvstore when the process exits, if the user did not (a weak reference:
+        a kvstore that is gone needs nothing)."""
+        atexit.register(_close_ref, weakref.WeakMethod(self.close))
+
+    def broadcast(self, key, value, out, priority=0):
+        """init(key, value) then pull(key, out): every worker ends with rank 0's value."""
+        self.init(key, value)
+        return self.pull(key, out=out, priority=priority)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<{type(self).__name__} type={self.type} rank={self.rank}/{self.num_workers}>"
+
+    # ---- shared checks ----
+    def _declare(self, key, array):
+        info = self._keys.get(key)
+        if info is not None:
+            raise KVKeyError(f"key {key!r} is already initialised (as {describe(info.dtype, info.shape)}); "
+                             f"init a key once")
+        return KeyInfo(key, array.dtype, array.shape)
+
+    def _inits(self, keys, values):
+        """[(KeyInfo, array)] for an init call, all checked before anything is stored."""
+        items, seen = [], set()
+        for key, vals in pairs(keys, values, "init"):
+            if len(vals) != 1:
+                raise ValueError(f"init of key {key!r} got {len(vals)} values; give one")
+            if key in seen:
+                raise ValueError(f"init got key {key!r} twice")
+            seen.add(key)
+            array = as_numpy(vals[0], f"init value for key {key!r}")
+            items.append((self._declare(key, array), array))
+        return items
+
+    def _info(self, key, op):
+        info = self._keys.get(key)
+        if info is None:
+            raise KVKeyError(f"{op} of key {key!r}, which was never initialised (call kv.init first)")
+        return info
+
+    def _check(self, info, array, op, what):
+        if array.dtype != info.dtype or array.shape != info.shape:
+            raise ValueError(f"key {info.key!r} was initialised as {describe(info.dtype, info.shape)}; "
+                             f"{op} got {what} {describe(array.dtype, array.shape)}")
+
+    def _values(self, keys, values, op):
+        """[(KeyInfo, array)], one merged array per key, every one checked before any is sent."""
+        items = []
+        for key, vals in pairs(keys, values, op):
+            info = self._info(key, op)
+            arrays = [as_numpy(v, f"{op} value for key {key!r}") for v in vals]
+            for a in arrays:
+                self._check(info, a, op, "a value of")
+            if len(arrays) == 1:
+                merged = arrays[0]
+            else:
+                merged = np.empty(info.shape, info.dtype)
+                kernels.sum_sources(merged.reshape(-1), [a.reshape(-1) for a in arrays])
+            items.append((info, merged))
+        return items
+
+    def _straggle(self, items):
+        """Every kvstore's push and pushpull call this with their checked values, before sending: a
+        worker that the launcher made a straggler sleeps here, once per step (kvps/straggler.py)."""
+        keys = [info.key for info, _ in items]
+        if self._straggler is _UNSET:
+            from kvps.config import Config
+            from kvps.straggler import Straggler
+            cfg = getattr(self, "cfg", None) or Config.from_env()
+            self._straggler = Straggler.from_config(cfg, self.rank)
+        if self._straggler is not None:
+            self._straggler.before_push(keys)
+
+    @property
+    def straggled(self):
+        """Seconds this worker has slept as a launcher-made straggler (0.0 when it is none)."""
+        return 0.0 if self._straggler in (None, _UNSET) else self._straggler.total
+
+    def _outs(self, keys, outs, op):
+        """[(KeyInfo, [Out])], every out checked before anything is sent."""
+        if outs is None:
+            raise ValueError(f"{op} needs out= (the arrays to write the values into)")
+        items = []
+        for key, targets in pairs(keys, outs, op, what="out"):
+            info = self._info(key, op)
+            wrapped = [Out(t, f"{op} out for key {key!r}") for t in targets]
+            for o in wrapped:
+                self._check(info, o.array, op, "out")
+            items.append((info, wrapped))
+        return items
+
+    def _row_ids(self, items, row_ids, op):
+        """One sorted, de-duplicated int64 row-id array per key, checked against its rows."""
+        if row_ids is None:
+            raise ValueError(f"{op} needs row_ids=")
+        if len(items) == 1 and not isinstance(row_ids, (list, tuple)) or \
+                (len(items) == 1 and isinstance(row_ids, (list, tuple)) and
+                 (len(row_ids) == 0 or not hasattr(row_ids[0], "__len__"))):
+            row_ids = [row_ids]
+        if len(row_ids) != len(items):
+            raise ValueError(f"{op} got {len(items)} keys and {len(row_ids)} row_ids arrays")
+        result = []
+        for (info, _), ids in zip(items, row_ids):
+            ids = as_numpy(ids, f"row_ids for key {info.key!r}") if not isinstance(ids, (list, tuple)) \
+                else np.asarray(ids, dtype=np.int64)
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"row_ids for key {info.key!r} are {ids.dtype}; they must be integers")
+            if not info.shape:
+                raise ValueError(f"key {info.key!r} is a scalar; {op} needs an array with rows")
+            ids = np.unique(ids.astype(np.int64).reshape(-1))
+            if ids.size and (ids[0] < 0 or ids[-1] >= info.shape[0]):
+                raise ValueError(f"row_ids for key {info.key!r} must lie in 0..{info.shape[0] - 1}; "
+                                 f"got {ids[0]}..{ids[-1]}")
+            result.append(ids)
+        return result
+
+
+def _close_ref(ref):
+    close = ref()
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:   # at exit, report and go on
+            logging.getLogger("kvps").warning("closing the kvstore at exit: %s", exc)

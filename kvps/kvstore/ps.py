@@ -1,0 +1,283 @@
+"""The distributed kvstore: one worker of a parameter-server job (dist_sync, dist_async, dist_ssp).
+
+Each call is checked against what init declared, split into per-server
+requests (one message per server, carrying every key and part it holds), and
+sent by the node's I/O thread. Replies are written into the caller's arrays on
+that thread. The worker finds the scheduler through KVPS_SCHEDULER (or MXNet's
+DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT) and leaves the job on close() or exit.
+"""
+import collections
+import math
+import logging
+
+import numpy as np
+
+from kvps.ps import compression, sharding
+from kvps.config import Config
+from kvps.ps.consistency import Consistency
+from kvps.errors import KVPSError, ProtocolError
+from kvps.wire.requests import remember
+from kvps.kvstore.base import KeyInfo, KVStore
+from kvps.wire.membership import Worker
+from kvps.wire.protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
+
+log = logging.getLogger("kvps.worker")
+
+
+def _bytes(array):
+    """A zero-copy byte view of a contiguous array (works for every dtype, bfloat16 too)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+class Messages:
+    """A call's requests: per server, entries gathered into messages of about `limit` bytes, so a
+    server can work on (and answer) the first ones while the rest are still on the wire."""
+
+    def __init__(self, limit, meta=None):
+        self.limit = limit
+        self.meta = meta or {}       # sent in every message's header
+        self._open = {}              # server -> [entries, payloads, bytes]
+        self._all = []               # (server, message) in the order they were opened
+
+    def add(self, server, entry, payload, size):
+        message = self._open.get(server)
+        if message is None or (message[2] and message[2] + size > self.limit):
+            message = self._open[server] = [[], [], 0]
+            self._all.append((server, message))
+        message[0].append(entry)
+        if payload is not None:
+            message[1].append(payload)
+        message[2] += size
+
+    def __iter__(self):
+        return ((server, entries, payloads) for server, (entries, payloads, _) in self._all)
+
+
+class DistKVStore(KVStore):
+    """`consistency`: a kvps.ps.consistency.Consistency, or its wire string ("sync", "ssp:4", ...);
+    kvps.create() builds it from the type name and options."""
+
+    def __init__(self, name, consistency, config=None):
+        super().__init__(name)
+        self.cfg = config or Config.from_env()
+        if not isinstance(consistency, Consistency):
+            consistency = Consistency.from_wire(consistency)
+        self.consistency = consistency
+        self.mode = consistency.mode
+        # Workers register the canonical string: the scheduler refuses a job whose workers differ.
+        self._node = Worker(self.cfg, meta={"mode": consistency.wire()})
+        self._node.start()
+        self._num_servers = len(self._node.membership["servers"])
+        self._optimizer_generation = 0
+        self._codec = None               # gradient compression spec, or None
+        self._residuals = {}             # (key, part) -> float32 error-feedback residual
+        self._close_at_exit()
+        if self._num_servers == 0:
+            self.close()
+            raise KVPSError(f"kvstore {name!r} needs servers, and this job has none "
+                            f"(start it with kvps launch -s S, S >= 1, or use kvps.create('allreduce'))")
+        try:
+            consistency.check_workers(self.num_workers)
+        except ValueError as exc:
+            self.close()
+            raise ValueError(f"kvstore {name!r}: {exc}") from None
+
+    rank = property(lambda self: self._node.rank)
+    num_workers = property(lambda self: len(self._node.membership["workers"]))
+    num_servers = property(lambda self: self._num_servers)
+
+    # ---- plumbing ----
+    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=()):
+        """Send the requests of a Messages batch under one Handle; returns it."""
+        if self._closed:
+            raise KVPSError(f"{what}: this kvstore is closed")
+        items = [(f"S{server}", Header(op, keys=entries, meta=dict(messages.meta)), payloads, on_reply)
+                 for server, entries, payloads in messages]
+        handle = self._node.request_many(items, what, keep=keep)
+        handle.then = then
+        if async_op:
+            remember(self._pending, handle)
+            return handle
+        return _finish(handle)
+
+    def _layout(self, key, shape, dtype):
+        return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound, np.dtype(dtype).itemsize,
+                               self.cfg.partition_bytes)
+
+    @staticmethod
+    def _what(op, infos):
+        keys = [repr(i.key) for i in infos[:4]]
+        more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
+        return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
+
+    def _with_values(self, items, codec=None):
+        """Messages carrying each array's parts; with a codec, float32 parts go compressed."""
+        messages = Messages(self.cfg.message_bytes, {"codec": codec} if codec else {})
+        for info, array in items:
+            flat = array.reshape(-1)
+            code = dtype_code(info.dtype)
+            squeeze = codec is not None and info.dtype == np.float32
+            for part in info.parts:
+                seg = flat[part.start:part.stop]
+                if squeeze:
+                    seg = self._compress(info.key, part.index, seg)
+                    entry = Entry.of(info.key, part.index, seg)
+                else:
+                    entry = Entry(info.key, part.index, code, part.shape(info.shape), seg.nbytes)
+                messages.add(part.server, entry, _bytes(seg) if seg.nbytes else None, seg.nbytes)
+        return messages
+
+    def _compress(self, key, part, grad):
+        residual = None
+        if compression.needs_residual(self._codec):
+            residual = self._residuals.get((key, part))
+            if residual is None:
+                residual = self._residuals[(key, part)] = np.zeros(grad.size, np.float32)
+        return compression.encode(self._codec, np.ascontiguousarray(grad), residual)
+
+    def _bare(self, infos):
+        """Messages asking for each key's parts (sized by what the replies will carry)."""
+        messages = Messages(self.cfg.message_bytes)
+        for info in infos:
+            code = dtype_code(info.dtype)
+            for part in info.parts:
+                messages.add(part.server, Entry.bare(info.key, part.index, code, part.shape(info.shape)), None,
+                             part.size * info.dtype.itemsize)
+        return messages
+
+    def _filler(self, items):
+        """on_reply that copies VALUE payloads into the outs of [(KeyInfo, [Out])]."""
+        dests = collections.defaultdict(list)
+        for info, outs in items:
+            for part in info.parts:
+                for o in outs:
+                    dests[(info.key, part.index)].append((info, o.array.reshape(-1)[part.start:part.stop]))
+
+        def fill(header, payloads):
+            frames = iter(payloads)
+            for entry in header.keys:
+                frame = next(frames) if entry.nbytes else None
+                for info, dest in dests.get((entry.key, entry.part), ()):
+                    if entry.dtype != dtype_code(info.dtype) or math.prod(entry.shape) != dest.size:
+                        raise ProtocolError(f"reply for key {entry.key!r} part {entry.part} is "
+                                            f"{numpy_dtype(entry.dtype)} "
+                                            f"{entry.shape}; expected {info.dtype} with {dest.size} elements")
+                    if frame is not None:
+                        np.copyto(dest, as_array(frame, entry).reshape(-1))
+        return fill
+
+    # ---- the API ----
+    def init(self, key, value):
+        items = self._inits(key, value)
+        infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape, i.dtype)) for i, _ in items]
+        arrays = [a for _, a in items]
+        messages = self._with_values(list(zip(infos, arrays))) if self.rank == 0 else self._bare(infos)
+        self._send(Op.INIT, self._what("init", infos), messages, keep=arrays)
+        for info in infos:
+            self._keys[info.key] = info
+
+    def push(self, key, value, priority=0, async_op=False):
+        items = self._values(key, value, "push")
+        self._straggle(items)
+        messages = self._with_values(items, self._codec)
+        return self._send(Op.PUSH, self._what("push", [i for i, _ in items]), messages,
+                          keep=(items, messages), async_op=async_op)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
+        items = self._outs(key, out, "pull")
+        infos = [i for i, _ in items]
+        return self._send(Op.PULL, self._what("pull", infos), self._bare(infos), on_reply=self._filler(items),
+                          keep=items, async_op=async_op, then=_finishers(items))
+
+    def pushpull(self, key, value, out=None, priority=0, async_op=False):
+        values = self._values(key, value, "pushpull")
+        self._straggle(values)
+        outs = self._outs(key, value if out is None else out, "pushpull")
+        messages = self._with_values(values, self._codec)
+        return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), messages,
+                          on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
+                          then=_finishers(outs))
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
+        items = self._outs(key, out, "row_sparse_pull")
+        ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")
+        messages = Messages(self.cfg.message_bytes)
+        dests = {}
+        for (info, outs), ids in zip(items, ids_per_key):
+            for o in outs:
+                o.array[...] = 0
+            for part, local, positions in sharding.split_rows(info.parts, ids):
+                messages.add(part.server, Entry.of(info.key, part.index, local), _bytes(local),
+                             local.size * part.row_size * info.dtype.itemsize)
+                dests[(info.key, part.index)] = (info, outs, ids[positions])
+
+        def fill(header, payloads):
+            frames = iter(payloads)
+            for entry in header.keys:
+                frame = next(frames) if entry.nbytes else None
+                info, outs, rows = dests[(entry.key, entry.part)]
+                if entry.dtype != dtype_code(info.dtype) or tuple(entry.shape[1:]) != info.shape[1:] or \
+                        entry.shape[0] != rows.size:
+                    raise ProtocolError(f"row_sparse_pull reply for key {entry.key!r} is {entry.shape}; "
+                                        f"expected {rows.size} rows of {info.shape[1:]}")
+                if frame is not None:
+                    values = as_array(frame, entry)
+                    for o in outs:
+                        o.array[rows] = values
+        return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", [i for i, _ in items]), messages,
+                          on_reply=fill, keep=(items, messages), async_op=async_op, then=_finishers(items))
+
+    def set_optimizer(self, optimizer):
+        spec = optimizer.spec()
+        self._optimizer_generation += 1
+        meta = {"generation": self._optimizer_generation, "spec": spec}
+        handle = self._node.request_many(
+            [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in range(self._num_servers)],
+            f"set_optimizer({spec['name']})")
+        handle.wait()
+
+    def set_gradient_compression(self, compression_params):
+        """Compress float32 pushes from now on (MXNet's dict form, e.g. {"type": "2bit", "threshold": 0.5});
+        see kvps.ps.compression for the types. {"type": "none"} turns it off."""
+        self._codec = compression.check(compression_params)
+        self._residuals.clear()
+
+    def barrier(self):
+        self._node.barrier("workers")
+
+    def join(self):
+        """This worker has no more data (Horovod's join): from now on it counts as pushing zeros into
+        every sync round, so the others finish theirs; waits until every worker has joined and
+        returns the rank of the last one (the one that trained longest)."""
+        self.wait_all()
+        self._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in range(self._num_servers)],
+                                f"W{self.rank} joining").wait()
+        return int(self._node.barrier("workers")[1:])
+
+    def server_stats(self):
+        """Each server's counters (pushes, pulls, rounds, kernel calls, ...), by server name.
+        Consistency fields: "mode" (wire string), "dropped" (stale pushes dropped, backup workers),
+        "ssp_waits" (ssp pulls that waited), "staleness" (histogram: index i counts the pushes applied
+        i updates after their worker last pulled the key; kvps.ps.consistency.total_staleness sums them)."""
+        stats = {}
+
+        def keep(header, payloads):
+            stats[header.src] = header.meta
+        self._node.request_many([(f"S{s}", Header(Op.STATS), (), keep) for s in range(self._num_servers)],
+                                "server stats").wait()
+        return stats
+
+    def _healthy(self):
+        return self._node.failure is None
+
+    def _leave(self):
+        self._node.leave()
+
+
+def _finishers(items):
+    return [o.finish for _, outs in items for o in outs if o.copy_back]
+
+
+def _finish(handle, timeout=None):
+    return handle.wait(timeout)
+

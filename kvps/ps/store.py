@@ -1,0 +1,345 @@
+"""The values a server holds and how pushes change them: sync rounds, async and ssp updates.
+
+Pure logic, no sockets: the server daemon (and the single-process 'local' kvstore)
+call it on one thread and pass callbacks that deliver results:
+
+    store = Store(num_workers=2, mode="sync")              # or a kvps.ps.consistency.Consistency
+    store.init(0, "w", 0, dtype, shape, array, done)       # done(None | exception)
+    store.push(0, "w", 0, grad, done)                      # done(None | exception)
+    store.pull(1, "w", 0, done)                            # done(ndarray | exception)
+
+Sync mode: a key's round closes when every worker has pushed it once; the value
+becomes the sum of the round's pushes (or, with an optimizer, the optimizer
+applied to that sum). Push callbacks fire when their round closes, and a pull
+from a worker that has pushed into an open round waits for it, so push-then-pull
+always sees the worker's own push. A worker that pushes a key again before the
+round closes is queued for the next round.
+
+Backup workers (sync mode, "sync:backup=b"): a round closes after the first W - b
+pushes; a push from a worker that has not pulled the latest closed round is stale and
+dropped (acknowledged at once, stats["dropped"]), so a slow worker skips rounds instead
+of holding everyone back.
+
+Async mode: each push is applied when it arrives: the optimizer if one is set,
+otherwise the pushed value is added to the stored one (delta pushes, as BytePS).
+
+SSP mode ("ssp:s", stale synchronous parallel): pushes are applied as in async mode,
+but a pull from a worker that has pushed a key c times waits until every active
+worker has pushed it at least c - s times (stats["ssp_waits"] counts those that waited).
+
+Every applied push's staleness (updates since its worker last pulled the key) goes into
+stats["staleness"], a histogram. The per-mode bookkeeping lives in clocks.py.
+
+Join (sync mode, Horovod's join): a worker that has run out of data calls
+`worker_joined`; from then on it counts as pushing zeros into every round, so a
+round closes once every other worker has pushed, and open rounds that this
+completes close at once. When every worker has joined, all count as active again.
+"""
+import logging
+
+import numpy as np
+
+from kvps import kernels
+from kvps.ps.consistency import Consistency
+from kvps.errors import KVKeyError, KVValueError, NodeFailure
+
+from kvps.ps.clocks import WAIT, Clocks
+
+log = logging.getLogger("kvps.server")
+
+
+def _show(dtype, shape):
+    return f"{np.dtype(dtype)} {tuple(shape)}"
+
+
+class Slot:
+    """One key (or one part of a split key) on this server."""
+    __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent")
+
+    def __init__(self, slot_id, dtype, shape):
+        self.id = slot_id                # (key, part)
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.value = None                # set by rank 0's init
+        self.init_waiters = []           # (worker, dtype, shape, done)
+        self.pending = []                # this round's pushed arrays
+        self.in_round = set()            # workers that pushed into the open round
+        self.acks = []                   # their callbacks
+        self.pushes = {}                 # worker -> its clock (see clocks.py)
+        self.version = 0                 # updates applied: rounds closed (sync), pushes applied (async, ssp)
+        self.seen = {}                   # worker -> version its last pull received
+        self.early = []                  # (worker, array, done) for a later round
+        self.pull_waiters = []           # (worker, done, rows)
+        self.merge = None                # scratch buffer for the round's sum
+        self.sent = []                   # zmq trackers of replies still reading value
+
+    def name(self):
+        key, part = self.id
+        return f"key {key!r}" + (f" part {part}" if part else "")
+
+
+class Store:
+    """All slots of one server, in one consistency mode, with an optional updater."""
+
+    def __init__(self, num_workers, mode="sync", sent_timeout=60.0):
+        """`mode`: a Consistency or its wire string. Raises ProtocolError for a bad wire string and
+        ValueError for a mode this many workers cannot run (backups >= workers)."""
+        self.consistency = mode if isinstance(mode, Consistency) else Consistency.from_wire(mode)
+        self.consistency.check_workers(num_workers)
+        self.num_workers = num_workers
+        self.mode = self.consistency.mode
+        self.clocks = Clocks(num_workers, self.consistency)
+        self.updater = None
+        self.slots = {}
+        self.sent_timeout = sent_timeout
+        self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
+                      "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
+                      "staleness": self.clocks.staleness}
+
+    # workers that count as pushing zeros (see worker_joined), and those gone (worker -> why)
+    joined = property(lambda self: self.clocks.joined)
+    gone = property(lambda self: self.clocks.gone)
+
+    # ---- checks (raise before anything changes) ----
+    def slot(self, key, part, initialised=True):
+        slot = self.slots.get((key, part))
+        if slot is None or (initialised and slot.value is None):
+            raise KVKeyError(f"key {key!r}" + (f" part {part}" if part else "") +
+                             " was never initialised (call kv.init on every worker first)")
+        return slot
+
+    def check(self, key, part, dtype, shape):
+        """Raise KVValueError/KVKeyError unless (key, part) holds an array of this dtype and shape."""
+        slot = self.slot(key, part)
+        if slot.dtype != np.dtype(dtype) or slot.shape != tuple(shape):
+            raise KVValueError(f"{slot.name()} was initialised as {_show(slot.dtype, slot.shape)}; "
+                               f"got {_show(dtype, shape)}")
+        return slot
+
+    def check_rows(self, slot, rows):
+        """Raise KVValueError unless `rows` is a 1-D int64 array of row ids within the slot."""
+        if rows.dtype != np.int64 or rows.ndim != 1:
+            raise KVValueError(f"row ids for {slot.name()} must be a 1-D int64 array, got {rows.dtype} {rows.shape}")
+        if not slot.shape:
+            raise KVValueError(f"{slot.name()} is a scalar; a row-sparse pull needs rows")
+        if rows.size and (rows.min() < 0 or rows.max() >= slot.shape[0]):
+            raise KVValueError(f"{slot.name()} holds {slot.shape[0]} rows; row ids "
+                               f"{int(rows.min())}..{int(rows.max())} are out of range")
+
+    # ---- operations ----
+    def init(self, worker, key, part, dtype, shape, array, done):
+        """Rank 0 passes the value; other workers pass array=None and wait until it is stored."""
+        slot = self.slots.get((key, part))
+        if slot is None:
+            slot = self.slots[(key, part)] = Slot((key, part), dtype, shape)
+        if array is None:
+            if slot.value is not None:
+                done(self._same(slot, dtype, shape))
+            else:
+                slot.init_waiters.append((worker, dtype, shape, done))
+            return
+        if slot.value is not None:
+            raise KVKeyError(f"{slot.name()} is already initialised; init a key once")
+        slot.dtype, slot.shape = np.dtype(dtype), tuple(shape)
+        slot.value = np.array(array, dtype=slot.dtype, copy=True).reshape(slot.shape)
+        done(None)
+        waiters, slot.init_waiters = slot.init_waiters, []
+        for _, w_dtype, w_shape, w_done in waiters:
+            w_done(self._same(slot, w_dtype, w_shape))
+
+    def _same(self, slot, dtype, shape):
+        if slot.dtype == np.dtype(dtype) and slot.shape == tuple(shape):
+            return None
+        return KVValueError(f"{slot.name()} was initialised by rank 0 as {_show(slot.dtype, slot.shape)}; "
+                            f"this worker's init has {_show(dtype, shape)}")
+
+    def set_updater(self, updater):
+        self.updater = updater
+
+    def push(self, worker, key, part, array, done):
+        slot = self.slot(key, part)
+        self.stats["pushes"] += 1
+        self.stats["bytes_in"] += array.nbytes
+        if self.mode != "sync":
+            self._apply(slot, array)
+            self.clocks.pushed(slot, worker)
+            self.clocks.applied(slot, worker)
+            slot.version += 1
+            done(None)
+            if self.consistency.bounded:
+                self._release_pulls(slot)
+            return
+        if self.gone:
+            raise NodeFailure(f"the sync round of {slot.name()} can never close: {self.clocks.gone_reason()}")
+        if worker in self.joined:
+            raise KVValueError(f"W{worker} pushed {slot.name()} after join(); a worker that has joined "
+                               f"pushes nothing until every worker has joined")
+        if self.clocks.stale(slot, worker):
+            self.stats["dropped"] += 1
+            done(None)
+            return
+        self.clocks.pushed(slot, worker)
+        self._enter(slot, worker, array, done)
+
+    def _enter(self, slot, worker, array, done):
+        if worker in slot.in_round:
+            slot.early.append((worker, array, done))
+            return
+        slot.in_round.add(worker)
+        slot.pending.append(array)
+        slot.acks.append(done)
+        if self.clocks.round_complete(slot):
+            self._close_round(slot)
+
+    def _close_round(self, slot):
+        pending, acks, members = slot.pending, slot.acks, slot.in_round
+        # A joined worker's zeros count as its push, so its pulls never wait and its count stays in step.
+        for worker in self.joined - slot.in_round:
+            slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
+        slot.pending, slot.acks, slot.in_round = [], [], set()
+        try:
+            self._merge(slot, pending)
+        except Exception as exc:
+            # Every worker in the round hears of the failure; none waits for a reply that never comes.
+            log.exception("%s: applying a round failed", slot.name())
+            slot.version += 1
+            for ack in acks:
+                ack(exc)
+            waiters, slot.pull_waiters = slot.pull_waiters, []
+            for _, done, _ in waiters:
+                done(exc)
+            return
+        for worker in members:
+            self.clocks.applied(slot, worker)
+        slot.version += 1
+        self.stats["rounds"] += 1
+        for ack in acks:
+            ack(None)
+        self._release_pulls(slot)
+        early, slot.early = slot.early, []
+        for worker, array, done in early:
+            self._enter(slot, worker, array, done)
+
+    def _merge(self, slot, pending):
+        if self.updater is not None:
+            slot.merge = self._sum(slot, pending, slot.merge)
+            self._apply(slot, slot.merge)
+        elif not slot.sent or self._settled(slot):
+            # The round's sum replaces the value; the old value is next round's scratch buffer.
+            slot.merge, slot.value = slot.value, self._sum(slot, pending, slot.merge)
+            slot.sent = []
+        else:
+            # A reply is still being sent from the old value: leave it to zmq, sum into fresh memory.
+            slot.merge, slot.value = None, self._sum(slot, pending, None)
+            slot.sent = []
+
+    def _sum(self, slot, arrays, target):
+        if target is None or target.shape != slot.shape:
+            target = np.empty(slot.shape, slot.dtype)
+        flat = target.reshape(-1)
+        if len(arrays) == 1:
+            np.copyto(flat, arrays[0].reshape(-1))
+        else:
+            kernels.sum_sources(flat, [a.reshape(-1) for a in arrays])
+        return target
+
+    def _apply(self, slot, grad):
+        """Apply one (summed) push to the value in place."""
+        self._settle(slot)
+        if self.updater is not None:
+            self.updater(slot.id, slot.value, grad.reshape(slot.shape))
+            self.stats["updates"] += 1
+        else:
+            kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))
+
+    def pull(self, worker, key, part, done, rows=None):
+        """done(array) with the value (or the given local rows of it) once this worker's pushes
+        are applied. The array may be sent without copying: see `sent`."""
+        slot = self.slot(key, part)
+        if rows is not None:
+            self.check_rows(slot, rows)
+        self.stats["pulls"] += 1
+        state = self.clocks.pull_state(slot, worker)
+        if state is WAIT:
+            if self.mode == "ssp":
+                self.stats["ssp_waits"] += 1
+            slot.pull_waiters.append((worker, done, rows))
+        elif state is None:
+            self._deliver(slot, worker, done, rows)
+        else:
+            done(state)
+
+    def _deliver(self, slot, worker, done, rows):
+        value = slot.value if rows is None else slot.value[rows]
+        self.stats["bytes_out"] += value.nbytes
+        self.clocks.delivered(slot, worker)
+        done(value)
+
+    def _release_pulls(self, slot):
+        """Answer the waiting pulls that may return now (or never can)."""
+        waiters, slot.pull_waiters = slot.pull_waiters, []
+        for worker, done, rows in waiters:
+            state = self.clocks.pull_state(slot, worker)
+            if state is WAIT:
+                slot.pull_waiters.append((worker, done, rows))
+            elif state is None:
+                self._deliver(slot, worker, done, rows)
+            else:
+                done(state)
+
+    # ---- zero-copy replies ----
+    def sent(self, key, part, tracker):
+        """A reply is being sent straight from this slot's value; do not change it until done."""
+        slot = self.slots.get((key, part))
+        if slot is not None:
+            slot.sent.append(tracker)
+
+    def _settled(self, slot):
+        return all(t.done for t in slot.sent)
+
+    def _settle(self, slot):
+        for tracker in slot.sent:
+            if not tracker.done:
+                tracker.wait(self.sent_timeout)
+        slot.sent = []
+
+    # ---- membership ----
+    def worker_joined(self, worker):
+        """A worker has no more data. In sync mode, rounds it was the last one missing from close
+        now; in ssp mode, pulls that waited for it return (async rounds wait for nobody). Once
+        every worker has joined, all of them are active again, so a later epoch runs as before,
+        and stats["last_joined"] names the last one."""
+        self.stats["joins"] += 1
+        self.joined.add(worker)
+        if self.mode == "sync":
+            for slot in self.slots.values():
+                if slot.in_round and self.clocks.round_complete(slot):
+                    self._close_round(slot)
+        elif self.mode == "ssp":
+            for slot in self.slots.values():
+                self._release_pulls(slot)
+        if len(self.joined) == self.num_workers:
+            self.joined.clear()
+            self.stats["last_joined"] = worker
+
+    def worker_gone(self, worker, reason):
+        """A worker left or died: fail every sync round, and every ssp pull, that waits for it."""
+        self.gone[worker] = reason
+        if self.mode == "ssp":
+            for slot in self.slots.values():
+                self._release_pulls(slot)
+        if self.mode != "sync":
+            return
+        for slot in self.slots.values():
+            if slot.in_round and worker not in slot.in_round:
+                error = NodeFailure(f"the sync round of {slot.name()} can never close: {reason}")
+                acks, slot.acks, slot.pending, slot.in_round = slot.acks, [], [], set()
+                for w, array, done in slot.early:
+                    acks.append(done)
+                slot.early = []
+                for ack in acks:
+                    ack(error)
+                for _, done, _ in slot.pull_waiters:
+                    done(error)
+                slot.pull_waiters = []

@@ -1,0 +1,324 @@
+"""`kvps emulate sync`: one synchronous gradient step of kvps's parameter server and ring beside
+gloo all-reduce and MXNet 1.9.1 dist_sync, on the same emulated hosts, each beside its bandwidth bound.
+
+    kvps emulate sync -n 4 -s 1,4 --placement dedicated --workload resnet50 --steps 3 --mxnet ~/mxvenv/bin/python
+    kvps emulate sync -n 2 --systems ring,gloo --workload 64MB
+
+Systems (--systems, default ps,ring,gloo and mxnet when --mxnet PYTHON is given):
+
+    ps      kvps dist_sync, both ways a step can go: push+pull (every push, then every pull, as MXNet
+            does) and pushpull (one call); every W, S and placement asked for
+    mxnet   MXNet dist_sync push+pull, the same W, S and placement (baselines.py)
+    ring    kvps's 'allreduce' kvstore (no servers), both ways; every W
+    gloo    torch.distributed gloo all-reduce in DDP-style 25 MB buckets; every W
+
+Every job runs on a network of its own, built for it and removed after it by a `with Network()`
+block (on failure and Ctrl-C too), under --timeout. Each kvps setup runs right after its baseline
+(MXNet before the PS at the same W, S and placement; gloo before the ring at the same W), so a
+slow spell of a shared machine tends to hit both sides of a ratio. A job that fails is reported
+(its output on stderr), its row reads "failed", and the others still run. The table comes last:
+one row per system and mode with the median step, the bound (theory.py: the PS's for ps and
+mxnet, the ring's for ring and gloo), their ratio and the ratio to the baseline measured in the
+same run.
+"""
+import collections
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+from kvps.errors import ConfigError, KVTimeoutError, NodeFailure
+
+from kvps.tools.emulate.baselines import EmulatedGlooJob, EmulatedMXNetJob
+from kvps.tools.emulate.job import EmulatedJob
+from kvps.tools.emulate.network import Network, show_rate
+from kvps.tools.emulate.theory import theory
+
+SYSTEMS = ("ps", "mxnet", "ring", "gloo")          # also the run order within one W (see setups())
+LABELS = {"ps": "kvps PS", "mxnet": "MXNet dist_sync", "ring": "kvps ring", "gloo": "gloo all-reduce"}
+MODES = {"ps": ("push+pull", "pushpull"), "mxnet": ("push+pull",), "ring": ("pushpull", "push+pull"),
+         "gloo": ("allreduce",)}
+BASELINE = {"ps": "mxnet", "ring": "gloo"}         # what each kvps system's rows are divided by
+KVTYPE = {"ps": "dist_sync", "mxnet": "dist_sync", "ring": "allreduce", "gloo": "allreduce"}
+MXNET_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "mxnet_worker.py")
+
+Setup = collections.namedtuple("Setup", "system workers servers colocated")
+Setup.__doc__ = "One job: a system on W workers with S servers (0 for ring and gloo), dedicated or co-located."
+
+
+def parse_systems(text):
+    """['ps', 'gloo'] from 'ps,gloo'; raises ConfigError naming an unknown system."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        what = f"unknown system {unknown[0]!r}" if unknown else f"no system in {text!r}"
+        raise ConfigError(f"{what}; choose from {', '.join(SYSTEMS)}")
+    return names
+
+
+def choose_systems(asked, mxnet, gloo_why=None):
+    """(systems to run in SYSTEMS order, notes on what was left out). asked: the --systems list, or
+    None for the default (ps, ring, gloo, and mxnet when an MXNet Python is given). Raises ConfigError
+    when mxnet is asked for without a Python, or gloo (`gloo_why`: why it cannot run) explicitly."""
+    notes = []
+    if asked is None:
+        asked = ["ps", "ring", "gloo"] + (["mxnet"] if mxnet else [])
+        if gloo_why:
+            asked.remove("gloo")
+            notes.append(f"(left out: gloo: {gloo_why})")
+    elif "gloo" in asked and gloo_why:
+        raise ConfigError(f"--systems gloo: {gloo_why}")
+    if "mxnet" in asked and not mxnet:
+        raise ConfigError("--systems mxnet needs --mxnet PYTHON (a Python with mxnet 1.9.1)")
+    return [s for s in SYSTEMS if s in asked], notes
+
+
+def shapes(workers, servers, placements):
+    """(the (W, S, colocated) combinations that can run, notes on those left out). Raises ConfigError
+    when none can."""
+    out, notes = [], []
+    for W in workers:
+        for S in servers:
+            for place in placements:
+                if place == "colocated" and S > W:
+                    notes.append(f"(left out: {S} co-located servers need at least {S} workers, not {W})")
+                    continue
+                out.append((W, S, place == "colocated"))
+    if not out:
+        raise ConfigError("no worker/server/placement combination can run")
+    return out, notes
+
+
+def setups(systems, combos):
+    """Every job, in run order: per W, each (S, placement) with MXNet before kvps's PS, then gloo
+    before kvps's ring (each baseline next to what is divided by it)."""
+    out = []
+    for W in sorted({W for W, _, _ in combos}):
+        for _, S, colocated in (c for c in combos if c[0] == W):
+            out += [Setup(s, W, S, colocated) for s in ("mxnet", "ps") if s in systems]
+        out += [Setup(s, W, 0, False) for s in ("gloo", "ring") if s in systems]
+    return out
+
+
+def make_plan(workload, steps):
+    """(the workers' plan, a phrase for the header, bytes per step). The plan always times one
+    gradient set (workloads.py's "resnet" entry): ResNet-50's 161 tensors or one float32 array, so
+    every system's worker (kvps_worker, mxnet_worker, gloo_worker) runs the same step. Raises ConfigError."""
+    from kvps.tools.bench import workloads
+
+    if steps < 1:
+        raise ConfigError(f"--steps {steps} must be at least 1")
+    plan = workloads.make_plan(sizes=(), resnet_steps=steps, quick=True)
+    if workload == "resnet50":
+        what = "ResNet-50 (161 tensors)"
+    else:
+        try:
+            size = workloads.parse_size(workload)
+        except ValueError as exc:
+            raise ConfigError(f"--workload: {exc}") from None
+        plan["resnet"]["shapes"] = [[size // 4]]
+        what = f"one {workloads.show_size(size)} array"
+    nbytes = 4 * sum(math.prod(s) for s in plan["resnet"]["shapes"])
+    return plan, what, nbytes
+
+
+# ---- the table ----
+def _placement(setup):
+    if not setup.servers:
+        return "-", "-"
+    return str(setup.servers), "co-located" if setup.colocated else "dedicated"
+
+
+def bound(setup, M, rate):
+    """Seconds per step at the bandwidth bound for this setup (theory.py)."""
+    t = theory(M, rate, setup.workers, max(setup.servers, 1), setup.colocated)
+    return t.ps if setup.servers else t.ring
+
+
+def baseline_of(setup):
+    """The Setup a kvps setup's rows are divided by, or None for a baseline."""
+    other = BASELINE.get(setup.system)
+    return other and setup._replace(system=other)
+
+
+def table(results, M, rate):
+    """The markdown table (a list of lines) for {Setup: {"rows": {mode: result}, "error": str|None}},
+    in the dict's order: one row per system and mode."""
+    def ms(setup, mode):
+        row = results.get(setup, {}).get("rows", {}).get(mode)
+        return row["ms"] if row else None
+
+    lines = ["| setup | W | S | servers | measured ms | bound ms | measured/bound | / baseline |",
+             "|---|--:|--:|---|--:|--:|--:|--:|"]
+    for setup, result in results.items():
+        S, servers = _placement(setup)
+        b = bound(setup, M, rate) * 1e3
+        base = baseline_of(setup)
+        base_ms = ms(base, MODES[base.system][0]) if base else None
+        for mode in MODES[setup.system]:
+            label = LABELS[setup.system] + ("" if setup.system == "gloo" else f" {mode}")
+            t = ms(setup, mode)
+            measured = f"{t:.0f}" if t is not None else "failed"
+            ratio = f"{t / b:.2f}" if t is not None and b else "-"
+            vs = f"{t / base_ms:.2f}" if t is not None and base_ms else "-"
+            lines.append(f"| {label} | {setup.workers} | {S} | {servers} | {measured} | {b:.0f} | {ratio} | {vs} |")
+    return lines
+
+
+# ---- running ----
+class OtherLoad:
+    """How much CPU other processes take while this one runs: the machine's busy time (/proc/stat:
+    user, nice, system, irq, softirq) less this process's and its reaped children's (os.times()).
+    With tick accounting the softirq ticks of our own packets are charged to our processes too."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        t = os.times()
+        busy = sum(ticks[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
+        return busy, t.user + t.system + t.children_user + t.children_system, t.elapsed
+
+    def share(self):
+        """The fraction of all CPUs that other processes used since this object was made, or None
+        where /proc/stat cannot be read."""
+        end = self._sample()
+        if not (self.start and end) or end[2] <= self.start[2]:
+            return None
+        others = (end[0] - self.start[0]) - (end[1] - self.start[1])
+        return max(0.0, others) / ((end[2] - self.start[2]) * (os.cpu_count() or 1))
+
+
+class _Lines:
+    """A job's output, kept and (with -v) echoed."""
+
+    def __init__(self, echo=None):
+        self.parts, self.echo = [], echo
+
+    def write(self, text):
+        self.parts.append(text)
+        if self.echo:
+            self.echo.write(text)
+
+    def flush(self):
+        if self.echo:
+            self.echo.flush()
+
+    def text(self):
+        return "".join(self.parts)
+
+
+def _job(setup, net, args, plan_path, out):
+    W, S, colocated = setup.workers, setup.servers, setup.colocated
+    call_timeout = max(30.0, args.timeout / 2)      # a call that hangs fails inside the job, before its deadline
+    if setup.system in ("ps", "ring"):
+        return EmulatedJob(net, W, S, [sys.executable, "-m", "kvps.tools.bench.kvps_worker", plan_path], colocated,
+                           {"KVPS_TIMEOUT": f"{call_timeout:g}"}, out)
+    if setup.system == "gloo":
+        return EmulatedGlooJob(net, W, plan_path, out=out, collective_timeout=call_timeout)
+    return EmulatedMXNetJob(net, args.mxnet, W, S, [MXNET_WORKER, plan_path], colocated, out=out)
+
+
+def run_setup(setup, args, plan_path):
+    """Run one job on a network of its own; {mode: result}. Raises NodeFailure (with the job's output)
+    when it fails or reports less than it should, KVTimeoutError when it passes --timeout."""
+    from kvps.tools.bench.pushpull import results
+
+    lines = _Lines(sys.stderr if args.verbose else None)
+    with Network() as net:
+        job = _job(setup, net, args, plan_path, lines)
+        net.up(job.hosts, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)
+        try:
+            codes = job.run(args.timeout)
+        except (NodeFailure, KVTimeoutError) as exc:
+            raise type(exc)(f"{exc}; its output:\n{lines.text()[-6000:]}") from None
+    rows = {r["mode"]: r for r in results(lines.text())}
+    if any(codes) or any(m not in rows for m in MODES[setup.system]):
+        raise NodeFailure(f"worker exit codes {codes}, results for {sorted(rows) or 'no mode'}; its output:\n"
+                          + lines.text()[-6000:])
+    return rows
+
+
+def _name(setup):
+    S, servers = _placement(setup)
+    return f"{LABELS[setup.system]} W={setup.workers}" + (f" S={S} {servers}" if setup.servers else "")
+
+
+class Benchmark:
+    """The jobs of one `kvps emulate sync`: checked when made, run by run()."""
+
+    def __init__(self, args, combos):
+        """args: the parsed command line (workload, steps, systems, mxnet, rate, delay_ms, mtu, timeout,
+        verbose); combos: shapes()'s list. Raises ConfigError for a bad workload or choice of systems, or an
+        MXNet Python that cannot import mxnet, before anything runs."""
+        self.args = args
+        self.plan, self.what, self.M = make_plan(args.workload, args.steps)
+        gloo_why = _gloo_why() if args.systems is None or "gloo" in args.systems else None
+        self.systems, self.notes = choose_systems(args.systems, args.mxnet, gloo_why)
+        if "mxnet" in self.systems:
+            from kvps.tools.bench.mxnet_job import check_python
+            problem = check_python(args.mxnet)
+            if problem:
+                raise ConfigError(f"--mxnet {args.mxnet} cannot import mxnet: {problem.strip()[-300:]}")
+        self.todo = setups(self.systems, combos)
+
+    def run(self, rate):
+        """Run every setup and print the table; returns the exit status: 0, 1 when a job failed, 124
+        when one passed --timeout."""
+        args = self.args
+        for note in self.notes:
+            print(note, file=sys.stderr)
+        load, others = os.getloadavg()[0], OtherLoad()
+        print(f"kvps emulate sync: {self.what}, M = {self.M / 1e6:.1f} MB per step; "
+              f"{', '.join(LABELS[s] for s in self.systems)}; each host link {show_rate(rate)} both ways"
+              f"{f', {args.delay_ms:g} ms one way' if args.delay_ms else ''}; {os.cpu_count()} CPUs shared by every "
+              f"process; median of {args.steps} timed steps. Load average {load:.2f} at the start.", flush=True)
+        results, timed_out = {}, False
+        with tempfile.TemporaryDirectory(prefix="kvps-emulate-") as tmp:
+            plans = {}
+            for kvtype in sorted({KVTYPE[s.system] for s in self.todo}):
+                plans[kvtype] = os.path.join(tmp, f"plan-{kvtype}.json")
+                with open(plans[kvtype], "w") as f:
+                    json.dump(dict(self.plan, kvtype=kvtype), f)
+            for setup in self.todo:
+                start = time.monotonic()
+                try:
+                    rows = run_setup(setup, args, plans[KVTYPE[setup.system]])
+                except (NodeFailure, KVTimeoutError) as exc:
+                    timed_out |= isinstance(exc, KVTimeoutError)
+                    results[setup] = {"rows": {}, "error": str(exc)}
+                    print(f"kvps emulate: {_name(setup)} failed: {exc}", file=sys.stderr, flush=True)
+                    continue
+                results[setup] = {"rows": rows, "error": None}
+                took = " / ".join(f"{rows[m]['ms']:.0f}" for m in MODES[setup.system])
+                print(f"[emulate] {_name(setup)}: {took} ms ({' / '.join(MODES[setup.system])}) "
+                      f"in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        share = others.share()
+        print("\n" + "\n".join(table(results, self.M, rate)))
+        print(f"\nmeasured: median step; bound: the busiest link direction at full rate (docs/emulate.md); "
+              f"/ baseline: measured / the baseline's, measured in the same run (kvps PS rows: MXNet dist_sync at the "
+              f"same W, S and placement; kvps ring rows: gloo at the same W), below 1 is faster. Load average "
+              f"{load:.2f} at the start; other processes used "
+              f"{'an unknown share' if share is None else f'{share:.0%}'} of the CPUs while it ran.", flush=True)
+        if any(r["error"] for r in results.values()):
+            return 124 if timed_out else 1
+        return 0
+
+
+def _gloo_why():
+    """None when torch.distributed has gloo, else why it cannot run."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        return f"torch does not import ({exc})"
+    if not (dist.is_available() and dist.is_gloo_available()):
+        return "this torch has no gloo backend"
+    return None

@@ -1,0 +1,23 @@
+"""`kvps experiment`: real models trained on real data under each consistency mode (sync, async,
+SSP, backup workers, ring all-reduce), with and without a straggler, and a report of the results.
+
+    kvps experiment --quick              # or python -m kvps.tools.experiment --quick
+    kvps experiment --tiny --out /tmp/x  # the end-to-end check the tests run
+
+Modules, one concept each:
+
+    logbook   what a worker measures and prints (the JSON lines); used by the workloads
+    presets   workloads, modes, presets; plan() lists the runs
+    runner    run(): one job under `kvps launch`, with a deadline; its JSON lines read back
+    metrics   time to target, throughput, staleness: pure functions of results.json, and their format
+    findings  plain-words findings generated from those numbers
+    report    report.md, results.json and the PNG plots
+    cli       main(argv): the command
+
+docs/experiment.md says what runs and how to read the report.
+"""
+
+
+def main(argv=None):
+    from kvps.tools.experiment.cli import main as run
+    return run(argv)

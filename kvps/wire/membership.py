@@ -1,0 +1,219 @@
+"""What every scheduler client (server or worker) does: register, heartbeat, barrier, fail loudly.
+
+    node = Node(config, "worker", meta={"mode": "sync"})
+    node.start()                    # registers; returns once every node has registered
+    node.rank, node.membership      # assigned by the scheduler
+    node.barrier("workers")
+
+A node sends a heartbeat to the scheduler every KVPS_HEARTBEAT_INTERVAL and
+takes the scheduler's replies as its heartbeat; silence for
+KVPS_HEARTBEAT_TIMEOUT fails every pending and later call with NodeFailure.
+When the scheduler reports a dead node (NODE_FAILED), the same happens, with
+the dead node's name in the message.
+"""
+import logging
+import os
+import socket
+import time
+
+from kvps.errors import KVPSError, NodeFailure, describe
+from kvps.wire.requests import Handle, Requests, node_failure
+from kvps.wire.protocol import Header, Op
+from kvps.wire.transport import Van
+
+log = logging.getLogger("kvps.node")
+
+SCHEDULER = "H"
+REPLY_OPS = frozenset({Op.ACK, Op.ERROR, Op.MEMBERSHIP, Op.VALUE, Op.STATS})
+
+
+def advertised_host(cfg):
+    """The address peers should use for this node: KVPS_HOST, else the local address
+    that routes to the scheduler (found without sending anything)."""
+    if cfg.host:
+        return cfg.host
+    host = cfg.require_scheduler()[0]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))   # UDP connect only picks a route
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()
+
+
+def node_name(role, rank):
+    return {"scheduler": "H", "server": "S", "worker": "W"}[role] + ("" if role == "scheduler" else str(rank))
+
+
+class Node:
+    """A registered member of a kvps job. Subclasses handle their own data messages."""
+
+    def __init__(self, cfg, role, meta=None):
+        self.cfg = cfg
+        self.role = role
+        self.name = "?"
+        self.rank = None
+        self.membership = None
+        self.requests = Requests()
+        self.van = Van(f"{role}-{os.getpid()}", self._on_message, self._on_bad)
+        self._meta = dict(meta or {})
+        self._last_heard = time.monotonic()
+        self.failure = None             # NodeFailure once the job is broken
+        self.left = set()               # workers that closed cleanly
+
+    # ---- lifecycle ----
+    def start(self):
+        """Register with the scheduler and wait for the membership table."""
+        host, port = self.cfg.require_scheduler()
+        self.van.connect(SCHEDULER, host, port)
+        self.van.every(self.cfg.heartbeat_interval, self._heartbeat)
+        self.van.start()
+        meta = dict(self._meta, role=self.role, host=advertised_host(self.cfg),
+                    port=self.van.port or 0, pid=os.getpid(), rank=self.cfg.rank)
+        self._last_heard = time.monotonic()
+        handle = self.request(SCHEDULER, Header(Op.REGISTER, meta=meta),
+                              what=f"{self.role} registering with the scheduler at {host}:{port} "
+                                   f"(are all {self.cfg.num_servers} servers and {self.cfg.num_workers} workers started?)",
+                              on_reply=self._on_membership, timeout=self.cfg.connect_timeout)
+        handle.wait()
+        log.info("%s registered: %d servers, %d workers", self.name,
+                 len(self.membership["servers"]), len(self.membership["workers"]))
+
+    def stop(self):
+        self.van.stop()
+
+    def leave(self):
+        """Tell the scheduler this worker is done (unless the job is broken), then stop."""
+        try:
+            if self.failure is None:
+                self.request(SCHEDULER, Header(Op.FINALIZE), what="leaving the job",
+                             timeout=min(self.cfg.timeout, 30)).wait()
+        except KVPSError as exc:
+            log.warning("%s: leaving the job: %s", self.name, exc)
+        finally:
+            self.stop()
+
+    # ---- requests ----
+    def request(self, peer, header, what, payloads=(), on_reply=None, timeout=None, keep=()):
+        """Send one request; returns its Handle."""
+        return self.request_many([(peer, header, payloads, on_reply)], what, timeout, keep)
+
+    def request_many(self, items, what, timeout=None, keep=()):
+        """Send several requests [(peer, header, payloads, on_reply)] under one Handle."""
+        handle = Handle(what, self.cfg.timeout if timeout is None else timeout, keep)
+        try:
+            for peer, header, payloads, on_reply in items:
+                header.id = self.requests.add(handle, peer, on_reply)
+                header.src = self.name
+                self.van.send(peer, header, payloads)
+        finally:
+            handle._arm()
+        return handle
+
+    def barrier(self, group="workers", timeout=None):
+        """Wait until every node of the group ("workers", "servers", "all") reaches the barrier;
+        returns the name of the node that arrived last."""
+        return self.barrier_async(group, timeout).wait().meta.get("last")
+
+    def barrier_async(self, group="workers", timeout=None):
+        """Enter a barrier without waiting; when done, the handle's meta["last"] names the last to arrive."""
+        return self.request(SCHEDULER, Header(Op.BARRIER, meta={"group": group}),
+                            what=f"{self.name} waiting at a barrier of {group}", timeout=timeout)
+
+    # ---- I/O thread ----
+    def _on_membership(self, header, payloads):
+        if header.op != Op.MEMBERSHIP:
+            raise NodeFailure(f"scheduler answered REGISTER with {header.op.name}")
+        self.membership = header.meta
+        self.rank = header.meta["rank"]
+        self.name = node_name(self.role, self.rank)
+        self.on_membership(header.meta)
+
+    def _on_message(self, source, header, payloads):
+        kind, who = source
+        if kind == "client":
+            self.on_client(who, header, payloads)
+            return
+        if who == SCHEDULER:
+            self._last_heard = time.monotonic()
+        if header.op in REPLY_OPS:
+            if header.id and not self.requests.answer(header, payloads) and header.op == Op.ERROR:
+                log.warning("%s: unsolicited error from %s: %s", self.name, who, header.meta.get("message"))
+        elif header.op == Op.NODE_FAILED:
+            self._node_failed(header.meta)
+        elif header.op == Op.SHUTDOWN:
+            self.on_shutdown()
+        else:
+            log.warning("%s: unexpected %s from %s dropped", self.name, header.op.name, who)
+
+    def _on_bad(self, source, exc):
+        if source[0] == "peer":
+            # A peer we talk to sent something we cannot read (e.g. another protocol
+            # version): what we asked of it will never be answered.
+            self.requests.fail(type(exc)(f"{source[1]}: {describe(exc)}"), peer=source[1])
+
+    def _node_failed(self, meta):
+        if meta.get("left"):
+            self.left.add(meta.get("node"))
+            self.on_worker_left(meta.get("node"))
+            return
+        failure = node_failure(meta)
+        log.error("%s: %s", self.name, failure)
+        self.failure = self.failure or failure
+        self.requests.fail_all(failure)
+        self.on_failure(meta.get("node"), failure)
+
+    def _heartbeat(self):
+        silent = time.monotonic() - self._last_heard
+        if silent > self.cfg.heartbeat_timeout and self.failure is None:
+            host, port = self.cfg.scheduler
+            self._node_failed({"node": "H", "reason": f"the scheduler at {host}:{port} has not answered "
+                                                      f"for {silent:.1f} s (KVPS_HEARTBEAT_TIMEOUT="
+                                                      f"{self.cfg.heartbeat_timeout:g})"})
+            return
+        self.van.send(SCHEDULER, Header(Op.HEARTBEAT, 0, self.name))
+
+    # ---- hooks for subclasses (I/O thread) ----
+    def on_membership(self, meta):
+        pass
+
+    def on_client(self, routing_id, header, payloads):
+        log.warning("%s: unexpected request %r dropped", self.name, header)
+
+    def on_failure(self, node, failure):
+        pass
+
+    def on_worker_left(self, node):
+        pass
+
+    def on_shutdown(self):
+        pass
+
+
+class Worker(Node):
+    """A worker's node: talks to every server, and binds a ROUTER of its own so that other
+    workers can reach it (ring all-reduce). Peer messages go to `peer_handler`."""
+
+    def __init__(self, cfg, meta=None):
+        super().__init__(cfg, "worker", meta)
+        self.van.bind(advertised_host(cfg), 0)
+        self.peer_handler = None        # callable(header, payloads), set by a ring
+
+    def on_membership(self, meta):
+        for rank, (host, port, _) in enumerate(meta["servers"]):
+            self.van.connect(f"S{rank}", host, port)
+        workers = meta["workers"]
+        if len(workers) > 1:
+            right = (meta["rank"] + 1) % len(workers)
+            host, port, _ = workers[right]
+            self.van.connect(f"W{right}", host, port)
+
+    def on_client(self, routing_id, header, payloads):
+        if header.op == Op.RING and self.peer_handler is not None:
+            self.peer_handler(header, payloads)
+        else:
+            log.warning("%s: unexpected %r dropped", self.name, header)

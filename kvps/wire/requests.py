@@ -1,0 +1,163 @@
+"""Handles for asynchronous calls, and the table of requests waiting for replies.
+
+A call that sends messages to several peers returns one Handle that completes
+when every reply has arrived. The handle keeps the caller's arrays alive until
+then (zmq may still be reading them), and `wait` raises the first error a peer
+reported, or KVTimeoutError naming what it still waits for.
+"""
+import itertools
+import threading
+
+from kvps.errors import KVTimeoutError, NodeFailure, remote_error
+from kvps.wire.protocol import Op
+
+
+class Handle:
+    """The pending result of an asynchronous call (MXNet's Wait(ts), as an object)."""
+
+    def __init__(self, what, timeout, keep=()):
+        self.what = what
+        self._timeout = timeout
+        self._keep = keep               # buffers zmq may still read
+        self._waiting = {}              # request id -> peer name
+        self._error = None
+        self._finished = False
+        self._gate = threading.Lock()   # held until the handle completes (lighter than an Event)
+        self._gate.acquire()
+        self._lock = threading.Lock()
+        self._armed = False
+        self.then = ()                  # callables run once, on the waiting thread, after success
+        self.meta = {}                  # the meta of the last reply (e.g. a barrier's "last")
+
+    @classmethod
+    def completed(cls, what):
+        handle = cls(what, 0)
+        handle._complete()
+        return handle
+
+    def done(self):
+        return self._finished
+
+    def succeeded(self):
+        return self._finished and self._error is None
+
+    def _complete(self):
+        """Mark done and wake the waiters (call with self._lock held, or before sharing)."""
+        if not self._finished:
+            self._finished = True
+            self._gate.release()
+
+    def wait(self, timeout=None):
+        """Block until done; raises the call's error, or KVTimeoutError after `timeout` seconds
+        (default KVPS_TIMEOUT)."""
+        timeout = self._timeout if timeout is None else timeout
+        if not self._finished:
+            if not self._gate.acquire(timeout=timeout):
+                with self._lock:
+                    peers = sorted(set(self._waiting.values()))
+                raise KVTimeoutError(f"{self.what}: no reply from {', '.join(peers) or 'peers'} "
+                                     f"within {timeout:g} s (KVPS_TIMEOUT)")
+            self._gate.release()        # let any other waiter through too
+        self._keep = ()
+        if self._error is not None:
+            raise self._error
+        then, self.then = self.then, ()
+        for fn in then:
+            fn()
+        return self
+
+    # ---- used by Requests (any thread) ----
+    def _expect(self, request_id, peer):
+        with self._lock:
+            self._waiting[request_id] = peer
+
+    def _arm(self):
+        """All requests are registered: the handle may now complete."""
+        with self._lock:
+            self._armed = True
+            if not self._waiting:
+                self._complete()
+
+    def _answered(self, request_id, error=None):
+        with self._lock:
+            self._waiting.pop(request_id, None)
+            if error is not None and self._error is None:
+                self._error = error
+            if self._armed and (not self._waiting or error is not None):
+                self._complete()
+
+
+def remember(pending, handle):
+    """Keep an asynchronous call's handle (in the deque `pending`) for wait_all(), dropping the ones
+    at the front that already succeeded, so a long run does not pile them up."""
+    while pending and pending[0].succeeded():
+        pending.popleft()
+    pending.append(handle)
+
+
+class Requests:
+    """Requests sent and not yet answered, by request id (ps-lite's Customer)."""
+
+    def __init__(self):
+        self._ids = itertools.count(1)
+        self._pending = {}              # id -> (handle, peer, on_reply)
+        self._lock = threading.Lock()
+        self.failure = None             # once set, every new request fails at once
+
+    def add(self, handle, peer, on_reply=None):
+        """Register a request to `peer`; returns its id. on_reply(header, payloads) runs on the
+        I/O thread before the handle counts the reply; an exception there fails the handle."""
+        request_id = next(self._ids)
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            self._pending[request_id] = (handle, peer, on_reply)
+            handle._expect(request_id, peer)
+        return request_id
+
+    def answer(self, header, payloads):
+        """Match a reply to its request (I/O thread). Returns False for an unknown id."""
+        with self._lock:
+            entry = self._pending.pop(header.id, None)
+        if entry is None:
+            return False
+        handle, peer, on_reply = entry
+        handle.meta = header.meta
+        if header.op == Op.ERROR:
+            handle._answered(header.id, remote_error(header.meta.get("kind"), header.meta.get("message", "")))
+            return True
+        error = None
+        if on_reply is not None:
+            try:
+                on_reply(header, payloads)
+            except Exception as exc:   # a bad reply fails this call, not the I/O thread
+                error = exc
+        handle._answered(header.id, error)
+        return True
+
+    def fail(self, exc, peer=None):
+        """Fail the requests to `peer` (all requests when None) with `exc`."""
+        with self._lock:
+            ids = [i for i, (_, p, _) in self._pending.items() if peer is None or p == peer]
+            entries = [self._pending.pop(i) for i in ids]
+        for request_id, (handle, _, _) in zip(ids, entries):
+            handle._answered(request_id, exc)
+
+    def fail_all(self, exc):
+        """Fail everything pending and everything sent from now on."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = exc
+        self.fail(exc)
+
+    def pending_peers(self):
+        with self._lock:
+            return sorted({p for _, p, _ in self._pending.values()})
+
+
+def node_failure(meta):
+    """The NodeFailure for a NODE_FAILED message."""
+    node, reason = meta.get("node", "?"), meta.get("reason", "")
+    if meta.get("left"):
+        return NodeFailure(f"{node} has left the job ({reason})")
+    return NodeFailure(f"node {node} failed: {reason}")

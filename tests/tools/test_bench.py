@@ -1,0 +1,71 @@
+"""`kvps bench pushpull` end to end on a tiny workload (no MXNet), plus its pure workload helpers.
+
+The benchmark measures speed; these tests check only that it runs, reports numbers, and fails
+fast and loudly (never hangs) when a job passes its deadline.
+"""
+import json
+import math
+import sys
+import time
+
+import pytest
+
+from harness import run_command
+
+from kvps.tools.bench import workloads
+
+BENCH = [sys.executable, "-m", "kvps.cli", "bench", "pushpull"]
+
+
+def run_bench(args, cwd, timeout=60):
+    return run_command(BENCH + args, cwd, timeout)
+
+
+def table_rows(stdout):
+    """{(workload, call): kvps ms} from the results table."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[1] in ("push+pull", "pushpull"):
+            rows[(cells[0], cells[1])] = float(cells[2])
+    return rows
+
+
+def test_resnet50_shapes():
+    shapes = workloads.resnet50_shapes()
+    assert len(shapes) == 161
+    assert sum(math.prod(s) for s in shapes) == 25_557_032
+
+
+@pytest.mark.parametrize("text, nbytes", [("1KB", 1024), ("64k", 65536), ("4MB", 4 << 20), ("16MiB", 16 << 20),
+                                          ("4096", 4096)])
+def test_parse_size(text, nbytes):
+    assert workloads.parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["1.5B", "0", "3", "lots"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError, match=repr(text)):
+        workloads.parse_size(text)
+
+
+def test_quick_run_prints_a_table_with_numbers(tmp_path):
+    out = tmp_path / "results.json"
+    done = run_bench(["--quick", "--sizes", "1KB,4KB", "--resnet-steps", "1", "--timeout", "45",
+                      "--json", str(out)], tmp_path)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    rows = table_rows(done.stdout)
+    assert set(rows) == {(w, c) for w in ("1 KB round", "4 KB round", "ResNet-50 step (161 tensors, 25.6M floats)")
+                         for c in ("push+pull", "pushpull")}, done.stdout
+    assert all(ms > 0 for ms in rows.values()), done.stdout
+    saved = json.loads(out.read_text())
+    assert len(saved["kvps"]) == 6 and saved["mxnet"] == []
+    assert all(t["met"] is None for t in saved["targets"])       # no baseline, nothing judged
+
+
+def test_a_job_past_its_deadline_fails_fast_with_its_log(tmp_path):
+    start = time.monotonic()
+    done = run_bench(["--quick", "--sizes", "64MB", "--resnet-steps", "3", "--timeout", "1"], tmp_path)
+    assert done.returncode == 1, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert "the kvps job did not" in done.stderr, done.stderr
+    assert time.monotonic() - start < 30

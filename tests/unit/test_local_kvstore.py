@@ -1,0 +1,128 @@
+"""The kvstore API's semantics in process: the local kvstore, row-sparse pulls, and the
+server-side optimizers' formulas."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvps
+from kvps.errors import KVKeyError
+
+
+def test_local_push_sums_a_list_and_replaces():
+    kv = kvps.create("local")
+    kv.init(3, np.ones(4, np.float32))
+    out = np.zeros(4, np.float32)
+    kv.pull(3, out=out)
+    assert out.tolist() == [1.0] * 4                         # pull before push: the init value
+    kv.push(3, [np.full(4, 2, np.float32), np.full(4, 5, np.float32)])
+    outs = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    kv.pull(3, out=outs)
+    assert [o.tolist() for o in outs] == [[7.0] * 4] * 2     # replaced by the sum, not accumulated
+    value = np.full(4, 3, np.float32)
+    kv.pushpull(3, value)                                    # out=None: result lands in value
+    assert value.tolist() == [3.0] * 4
+    kv.broadcast("b", np.arange(3, dtype=np.int64), out=(o := np.zeros(3, np.int64)))
+    assert o.tolist() == [0, 1, 2]
+    with pytest.raises(KVKeyError, match="already initialised"):
+        kv.init(3, np.ones(4, np.float32))
+
+
+def test_local_row_sparse_pull_fills_rows_and_zeroes_the_rest():
+    kv = kvps.create("local")
+    table = np.arange(20, dtype=np.float32).reshape(10, 2)
+    kv.init("emb", table)
+    out = np.full((10, 2), -1, np.float32)
+    kv.row_sparse_pull("emb", out=out, row_ids=np.array([7, 1, 7, 1]))
+    expect = np.zeros((10, 2), np.float32)
+    expect[[1, 7]] = table[[1, 7]]
+    assert (out == expect).all()
+
+
+# Server-side optimizers against MXNet's formulas written out here (docs/optimizers.md).
+def _mx(name, w, grads, p):
+    w = w.astype(np.float64).copy()
+    s1, s2 = np.zeros_like(w), np.zeros_like(w)
+    for t, g in enumerate(grads, 1):
+        g = g.astype(np.float64) * p.get("rescale_grad", 1.0)
+        clip = p.get("clip_gradient")
+        lr, wd = p["learning_rate"], p.get("wd", 0.0)
+        if name == "sgd":
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = p["momentum"] * s1 - lr * (g + wd * w)
+            w = w + s1
+        elif name == "nag":
+            # MXNet 1.9's in-place nag_mom_update: the momentum update reads the new weight
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            m1 = p["momentum"] * s1
+            w = (w - m1) + (p["momentum"] + 1) * (m1 - lr * (g + wd * w))
+            s1 = m1 - lr * (g + wd * w)
+        elif name in ("adam", "adamw"):
+            b1, b2, eps = p["beta1"], p["beta2"], p["epsilon"]
+            if name == "adam":
+                g = g + wd * w
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = b1 * s1 + (1 - b1) * g
+            s2 = b2 * s2 + (1 - b2) * g * g
+            lr_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+            if name == "adam":
+                w = w - lr_t * s1 / (np.sqrt(s2) + eps)
+            else:
+                w = w - (lr_t * s1 / (np.sqrt(s2) + eps) + wd * w)
+        elif name == "adagrad":
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = s1 + g * g
+            w = w - lr * (g / np.sqrt(s1 + p["epsilon"]) + wd * w)
+        elif name == "rmsprop":
+            g = g + wd * w
+            g = np.clip(g, -clip, clip) if clip is not None else g
+            s1 = p["gamma1"] * s1 + (1 - p["gamma1"]) * g * g
+            w = w - lr * g / np.sqrt(s1 + p["epsilon"])
+    return w
+
+
+OPTIMIZERS = [
+    kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5, clip_gradient=0.4),
+    kvps.optimizer.NAG(learning_rate=0.1, momentum=0.9, wd=0.01),
+    kvps.optimizer.Adam(learning_rate=0.01, wd=0.001, clip_gradient=1.0),
+    kvps.optimizer.AdamW(learning_rate=0.01, wd=0.01),
+    kvps.optimizer.AdaGrad(learning_rate=0.1, wd=0.001),
+    kvps.optimizer.RMSProp(learning_rate=0.01, wd=0.001, rescale_grad=2.0),
+]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_server_optimizers_follow_mxnet_formulas(opt):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(257).astype(np.float32)
+    grads = [rng.standard_normal(257).astype(np.float32) for _ in range(5)]
+    kv = kvps.create("local")
+    kv.init("w", w0)
+    kv.set_optimizer(opt)
+    for g in grads:
+        kv.push("w", g)
+    out = np.zeros_like(w0)
+    kv.pull("w", out=out)
+    np.testing.assert_allclose(out, _mx(opt.name, w0, grads, opt.params), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
+def test_optimizer_on_low_and_high_precision_keys(dtype):
+    """float16/bfloat16 keys keep a float32 master copy; float64 keys update at float64."""
+    kv = kvps.create("local")
+    kv.init("w", np.ones(64, dtype))
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.001))
+    for _ in range(10):
+        kv.push("w", np.ones(64, dtype))
+    out = np.zeros(64, dtype)
+    kv.pull("w", out=out)
+    # 10 steps of 0.001: a float16 weight updated in place would stall at 1.0 (its spacing is 0.001)
+    np.testing.assert_allclose(out.astype(np.float64), 0.99, rtol=1e-2 if dtype != np.float64 else 1e-12)
+
+
+def test_optimizer_refuses_integer_keys():
+    kv = kvps.create("local")
+    kv.init("i", np.ones(4, np.int32))
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=1.0))
+    with pytest.raises(ValueError, match="key 'i' is int32: an optimizer needs a floating-point key"):
+        kv.push("i", np.ones(4, np.int32))
