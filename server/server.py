@@ -234,7 +234,7 @@ class Server(Node):
         if not isinstance(generation, int) or generation < 1:
             raise ProtocolError(f"SET_OPTIMIZER generation {generation!r} is not a positive int")
         if generation > current:
-            self.store.set_updater(self.registry.create(spec))
+            self.store.set_rule(self.registry.create(spec))
             self.optimizer = (generation, spec)
             log.info("%s: optimizer %s", self.name, spec)
         elif generation == current and spec != current_spec:

@@ -60,7 +60,7 @@ class LocalKVStore(KVStore):
         return Handle.completed("row_sparse_pull")
 
     def set_optimizer(self, optimizer):
-        self._store.set_updater(self._registry.create(optimizer.spec()))
+        self._store.set_rule(self._registry.create(optimizer.spec()))
 
     def barrier(self):
         pass

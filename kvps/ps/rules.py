@@ -1,6 +1,8 @@
-"""Server-side update rules (optimizers) and the registry a server looks them up in.
+"""Server-side update rules and the registry a server looks them up in.
 
-A worker names a rule and its parameters (kvps.optimizer); the server builds it
+Words: an *optimizer* is what a worker names (kvps.optimizer: a name and numbers); a *rule* is the
+code a server runs for it (UpdateRule); a RuleState applies one rule to every key, with each key's
+state. A worker names an optimizer and its parameters; the server builds the rule
 from its own registry, so only code the server's operator installed ever runs.
 An operator adds a rule with a plugin module passed as `kvps server --plugin MOD`;
 the module defines `kvps_register(registry)` and calls `registry.add(MyRule)`:
@@ -147,7 +149,7 @@ class Registry:
         register(self)
 
     def create(self, spec):
-        """An Updater for a worker's {"name", "params"}; raises ValueError naming what is wrong."""
+        """A RuleState for a worker's {"name", "params"}; raises ValueError naming what is wrong."""
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or \
                 not isinstance(spec.get("params", {}), dict):
             raise ValueError(f"optimizer spec {spec!r} is not {{'name': str, 'params': dict}}")
@@ -155,10 +157,10 @@ class Registry:
         if rule is None:
             raise ValueError(f"this server has no optimizer {spec['name']!r} (it has: {', '.join(self.names())}; "
                              f"an operator adds more with --plugin)")
-        return Updater(rule(spec.get("params", {})))
+        return RuleState(rule(spec.get("params", {})))
 
 
-class Updater:
+class RuleState:
     """Applies one rule to every key of a server, keeping each key's state and step count."""
 
     def __init__(self, rule):

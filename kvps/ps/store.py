@@ -80,7 +80,7 @@ class Slot:
 
 
 class Store:
-    """All slots of one server, in one consistency mode, with an optional updater."""
+    """All slots of one server, in one consistency mode, with an optional update rule (kvps.ps.rules.RuleState)."""
 
     def __init__(self, num_workers, mode="sync", sent_timeout=60.0):
         """`mode`: a Consistency or its wire string. Raises ProtocolError for a bad wire string and
@@ -90,7 +90,7 @@ class Store:
         self.num_workers = num_workers
         self.mode = self.consistency.mode
         self.clocks = Clocks(num_workers, self.consistency)
-        self.updater = None
+        self.rule = None
         self.slots = {}
         self.sent_timeout = sent_timeout
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
@@ -154,8 +154,8 @@ class Store:
         return KVValueError(f"{slot.name()} was initialised by rank 0 as {_show(slot.dtype, slot.shape)}; "
                             f"this worker's init has {_show(dtype, shape)}")
 
-    def set_updater(self, updater):
-        self.updater = updater
+    def set_rule(self, rule):
+        self.rule = rule
 
     def push(self, worker, key, part, array, done):
         slot = self.slot(key, part)
@@ -222,7 +222,7 @@ class Store:
             self._enter(slot, worker, array, done)
 
     def _merge(self, slot, pending):
-        if self.updater is not None:
+        if self.rule is not None:
             slot.merge = self._sum(slot, pending, slot.merge)
             self._apply(slot, slot.merge)
         elif not slot.sent or self._settled(slot):
@@ -247,8 +247,8 @@ class Store:
     def _apply(self, slot, grad):
         """Apply one (summed) push to the value in place."""
         self._settle(slot)
-        if self.updater is not None:
-            self.updater(slot.id, slot.value, grad.reshape(slot.shape))
+        if self.rule is not None:
+            self.rule(slot.id, slot.value, grad.reshape(slot.shape))
             self.stats["updates"] += 1
         else:
             kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))

@@ -28,7 +28,7 @@ import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstri
 from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
 from kvps.torch.optimizer import DistributedOptimizer
-from kvps.torch.rules import server_optimizer
+from kvps.torch.server_optimizer import server_optimizer
 from kvps.torch.session import ASYNC, MODES, SUMMING, Session, init, join
 
 __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",

@@ -5,7 +5,7 @@ import logging
 import torch
 
 from kvps.torch.bucketing import BUCKET_BYTES, buckets
-from kvps.torch.rules import server_optimizer
+from kvps.torch.server_optimizer import server_optimizer
 from kvps.torch.session import _SESSION, ASYNC, SUMMING, _type
 
 log = logging.getLogger("kvps.torch")

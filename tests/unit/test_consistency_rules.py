@@ -31,11 +31,11 @@ class Log:
         return next(r for n, r in self.events if n == name)
 
 
-def _store(mode, workers, value, updater=None):
+def _store(mode, workers, value, optimizer=None):
     store, log = Store(workers, mode), Log()
     store.init(0, "w", 0, value.dtype, value.shape, value, log.cb("init"))
-    if updater is not None:
-        store.set_updater(Registry().create(updater.spec()))
+    if optimizer is not None:
+        store.set_rule(Registry().create(optimizer.spec()))
     return store, log
 
 

@@ -1,5 +1,5 @@
-"""torch optimizers translated into the kvps.optimizer rules the servers run in async mode
-(MXNet's formulas); options the servers cannot run are refused with the way out."""
+"""torch optimizers translated into kvps optimizers, which the servers run in async mode (MXNet's
+formulas; kvps.ps.rules); options the servers cannot run are refused with the way out."""
 import torch
 
 import kvps
@@ -9,7 +9,7 @@ def _refuse(name, what, instead="use update_on='worker' (workers step locally an
     raise ValueError(f"the servers cannot run {name} with {what}; {instead}")
 
 
-def _server_rule(cls, g):
+def _server_optimizer(cls, g):
     """kvps.optimizer for one param group (all numbers as floats)."""
     num = {k: float(v) if torch.is_tensor(v) or type(v) in (int, float) else v for k, v in g.items() if k != "params"}
     name, lr, wd = cls.__name__, num["lr"], num.get("weight_decay", 0.0)
@@ -46,7 +46,7 @@ def server_optimizer(optimizer):
     """The kvps.optimizer that applies, on the servers, what the torch `optimizer` does locally
     (docs/torch.md says which match torch exactly). Raises ValueError for optimizers and options
     the servers cannot run, and for param groups that differ (the servers run one rule)."""
-    rules = [_server_rule(type(optimizer), g) for g in optimizer.param_groups]
+    rules = [_server_optimizer(type(optimizer), g) for g in optimizer.param_groups]
     for i, rule in enumerate(rules[1:], 1):
         if rule.spec() != rules[0].spec():
             raise ValueError(f"param groups 0 and {i} have different hyperparameters ({rules[0]} and {rule}); "
