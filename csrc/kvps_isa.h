@@ -2,7 +2,8 @@
  * kvps_isa.h: the internal interface between dispatch.c and the SIMD paths.
  *
  * Each path (simd_scalar.c, simd_avx2.c, simd_avx512.c) fills one struct kvps_isa with
- * loops over [0, n) of already-offset pointers; dispatch.c validates arguments, picks a
+ * loops over [0, n) of already-offset pointers (the two SIMD paths write their loops once,
+ * in simd_body.h, from their own primitives); dispatch.c validates arguments, picks a
  * table from the CPU's features and splits large arrays across threads (parallel.c).
  * The SIMD paths finish every loop with the scalar functions declared at the bottom.
  * Pointers carry no alignment promise: every load and store is unaligned-safe.
@@ -16,6 +17,12 @@
 #include "kvps_kernels.h"
 
 #define KVPS_HIDDEN __attribute__((visibility("hidden")))
+
+/* For the SIMD paths: element i of an array of sz-byte elements, as a byte offset (the
+ * pointers carry no alignment promise), and a helper that must not stay a call. */
+#define AT(p, i, sz) ((void *)((char *)(p) + (int64_t)(i) * (sz)))
+#define CAT(p, i, sz) ((const void *)((const char *)(p) + (int64_t)(i) * (sz)))
+#define INLINE static inline __attribute__((always_inline))
 
 typedef void (*kvps_binary_fn)(void *dst, const void *src, int64_t n);
 /* sources: element range [off, off + n) of dst and of every srcs[k] */

@@ -31,8 +31,9 @@ extern "C" {
 #define KVPS_API __attribute__((visibility("default")))
 #endif
 
-/* The dtype table, shared by C, CUDA and Python (native.py checks its copy against
- * kvps_dtype_name/kvps_dtype_size at load). X(enum name, value, bytes, numpy name). */
+/* The dtype table of C and CUDA. Python's is kvps/dtypes.py (the wire's codes too):
+ * native.py checks every code named here by kvps_dtype_name/kvps_dtype_size against it
+ * at load. X(enum name, value, bytes, numpy name). */
 #define KVPS_DTYPE_TABLE(X)              \
     X(KVPS_F32, 0, 4, "float32")         \
     X(KVPS_F64, 1, 8, "float64")         \

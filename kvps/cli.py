@@ -35,10 +35,16 @@ def cmd_bench(args):
 
 
 def cmd_info(args):
+    """The version and kernels.describe(), whose first line says whether the C kernels are built
+    (or why not, with the reason setup.py recorded); when they cannot run, that line goes to
+    stderr too as a WARNING, since everything then runs on slower kernels."""
     import kvps
     from kvps import kernels
     print(f"kvps {kvps.__version__}")
-    print(kernels.describe())
+    text = kernels.describe()
+    print(text)
+    if not kernels.available_backends()["c"][0]:
+        print(f"WARNING: {text.splitlines()[0]}", file=sys.stderr)
     return 0
 
 

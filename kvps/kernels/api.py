@@ -12,14 +12,15 @@ import threading
 
 import numpy as np
 
+from kvps.dtypes import KERNEL_CODES
 from kvps.errors import KernelUnavailable
 
-from kvps.kernels import backends as _backends
+from kvps.kernels import select as _select
 from kvps.kernels.reference import bfloat16, topk_index_dtype
 
 F32, F64, F16, BF16 = (np.dtype(t) for t in (np.float32, np.float64, np.float16, bfloat16))
 I32, I64, U32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
-SUM_DTYPES = (F32, F64, F16, BF16, I32, I64)
+SUM_DTYPES = tuple(KERNEL_CODES)  # every dtype of the kernels' table (kvps/dtypes.py), in code order
 FLOAT_DTYPES = (F32, F64, F16, BF16)
 GRAD_DTYPES = (F32, F16, BF16)
 CASTS = {(F32, F16), (F32, BF16), (F16, F32), (BF16, F32)}
@@ -35,7 +36,7 @@ class Kernels:
     """The active backend, chosen once, and the per-operation call counts on it."""
 
     def __init__(self, registry=None):
-        self.registry = registry or _backends.default_registry()
+        self.registry = registry or _select.default_registry()
         self._lock = threading.Lock()
         self._active = None
         self._requested = None
@@ -47,7 +48,7 @@ class Kernels:
             with self._lock:
                 if self._active is None:
                     requested = configured_backend()
-                    self._active = _backends.choose(self.registry, requested)
+                    self._active = _select.choose(self.registry, requested)
                     self._requested = requested
         return self._active
 
@@ -58,7 +59,7 @@ class Kernels:
 
     def use(self, name):
         """Switch to a backend ("auto", "c", "cuda", "numba", "numpy"); resets the counts."""
-        chosen = _backends.choose(self.registry, name)
+        chosen = _select.choose(self.registry, name)
         with self._lock:
             self._active, self._requested = chosen, name
             self._counts.clear()
@@ -347,9 +348,11 @@ def available_backends():
 
 
 def set_num_threads(n):
-    """Threads the C kernels split large arrays across (default min(CPUs, 8))."""
-    from kvps.kernels.native import load
-    load().set_num_threads(n)
+    """Threads the C kernels split large arrays across (default min(CPUs, 8)).
+
+    Raises KernelUnavailable when the C library cannot be used, ValueError outside 1..64.
+    """
+    _kernels.registry.get("c").native.set_num_threads(n)
 
 
 def proc_cpu_features(path="/proc/cpuinfo"):
@@ -367,9 +370,8 @@ def proc_cpu_features(path="/proc/cpuinfo"):
 
 
 def describe():
-    """Several lines for `kvps info`: backends, CPU features, SIMD path, CUDA."""
-    from kvps.kernels import cuda
-    lines = []
+    """Several lines for `kvps info`: the C kernels (or why not), backends, CPU features, SIMD path, CUDA."""
+    lines = [_select.c_kernels_line(_kernels.registry)]
     try:
         active = _kernels.active
         lines.append(f"kernel backend: {active.name} (KVPS_KERNELS={_kernels.requested})")
@@ -386,7 +388,7 @@ def describe():
         lines.append(f"SIMD path: {native.simd_path()} (usable: {', '.join(native.simd_paths())})")
     else:
         lines.append(f"CPU features (/proc/cpuinfo): {' '.join(proc_cpu_features()) or 'unknown'}")
-    usable, reason = cuda.status()
+    usable, reason = _select.cuda_status()
     lines.append(f"CUDA: {'usable: ' + reason if usable else 'not usable: ' + reason}")
     return "\n".join(lines)
 

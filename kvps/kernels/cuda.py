@@ -18,9 +18,11 @@ import ctypes.util
 import functools
 import os
 
+from kvps import dtypes
 from kvps.errors import KernelUnavailable
 
-from kvps.kernels.native import ABI_VERSION
+from kvps.kernels import base
+from kvps.kernels.base import ABI_VERSION, clip_arg as _clip
 
 LIBRARY = "_kvps_cuda.so"
 MAX_SOURCES = 64  # KVPS_CUDA_MAX_SOURCES
@@ -47,7 +49,7 @@ SIGNATURES = {
 
 
 def library_path():
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY)
+    return base.library_path(LIBRARY)
 
 
 class CudaLibrary:
@@ -59,7 +61,7 @@ class CudaLibrary:
         version = lib.kvps_cuda_abi_version()
         if version != ABI_VERSION:
             raise KernelUnavailable(f"{path} has ABI version {version}, this package expects {ABI_VERSION}: "
-                                    f"rebuild it (pip install .)")
+                                    f"rebuild it ({base.REBUILD})")
         lib.kvps_cuda_last_error.restype = ctypes.c_char_p
         lib.kvps_cuda_device_count.argtypes = [ctypes.POINTER(_i)]
         lib.kvps_cuda_device_name.argtypes = [_i, ctypes.c_char_p, _i]
@@ -136,9 +138,8 @@ def _lib():
 
 @functools.lru_cache(maxsize=None)
 def _dtype_codes():
-    import torch
-    return {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4,
-            torch.int64: 5}
+    """torch dtype -> code of KVPS_DTYPE_TABLE, from kvps.dtypes (imports torch)."""
+    return {dtypes.torch_dtype(code): code for code in dtypes.KERNEL_CODES.values()}
 
 
 def _tensor(op, name, t, dtypes, device=None):
@@ -185,10 +186,6 @@ def _all():
 def _grads():
     import torch
     return (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _clip(value):
-    return -1.0 if value is None else float(value)
 
 
 def sum_into(dst, src, stream=None):

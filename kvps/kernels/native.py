@@ -1,9 +1,10 @@
 """The ctypes binding of the C kernels (csrc/, built into _kvps_kernels.so by setup.py).
 
 This is the one module that talks to the shared library: it declares every argument
-type once, checks the ABI version and the dtype table at load, and turns status codes
-into exceptions (`_check`). `load()` returns a `NativeLibrary` or raises
-KernelUnavailable saying why; `CBackend` adapts it to the backend interface.
+type once, checks the ABI version and the library's dtype table against kvps.dtypes at
+load, and turns status codes into exceptions (`_check`). `load()` returns a
+`NativeLibrary` or raises KernelUnavailable saying why (with the reason setup.py
+recorded when the build failed); `CBackend` adapts it to the backend interface.
 ctypes releases the GIL for the duration of every call.
 """
 import ctypes
@@ -12,23 +13,18 @@ import os
 
 import numpy as np
 
+from kvps import dtypes
 from kvps.errors import KernelUnavailable
 
-from kvps.kernels.backends import Backend
-from kvps.kernels.reference import bfloat16, topk_index_dtype
+from kvps.kernels import base
+from kvps.kernels.base import ABI_VERSION, Backend, clip_arg as _clip
+from kvps.kernels.reference import topk_index_dtype
 
-ABI_VERSION = 1
 LIBRARY = "_kvps_kernels.so"
-
-# Python's copy of csrc/kvps_kernels.h's KVPS_DTYPE_TABLE, checked against the library.
-DTYPE_CODES = {
-    np.dtype(np.float32): 0,
-    np.dtype(np.float64): 1,
-    np.dtype(np.float16): 2,
-    np.dtype(bfloat16): 3,
-    np.dtype(np.int32): 4,
-    np.dtype(np.int64): 5,
-}
+# numpy dtype -> the code of csrc/kvps_kernels.h's KVPS_DTYPE_TABLE; the library's table is
+# checked against kvps.dtypes when it loads (NativeLibrary._check_dtypes).
+DTYPE_CODES = dtypes.KERNEL_CODES
+_MAX_DTYPE_CODE = 255  # where the check stops asking the library for more codes
 
 STATUS_OK, STATUS_ARG, STATUS_DTYPE, STATUS_NOMEM, STATUS_INDEX, STATUS_UNSUPPORTED = range(6)
 
@@ -67,16 +63,11 @@ SIGNATURES = {
 
 
 def library_path():
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY)
+    return base.library_path(LIBRARY)
 
 
 def _addr(a):
     return a.ctypes.data
-
-
-def _clip(value):
-    """None (or <= 0) turns clipping off; the C side reads <= 0 as off."""
-    return -1.0 if value is None else float(value)
 
 
 class NativeLibrary:
@@ -91,17 +82,32 @@ class NativeLibrary:
         for name, (restype, argtypes) in SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is None:
-                raise KernelUnavailable(f"the C library {path} has no {name}: rebuild it (pip install .)")
+                raise KernelUnavailable(f"the C library {path} has no {name}: rebuild it ({base.REBUILD})")
             fn.restype, fn.argtypes = restype, argtypes
         self.lib = lib
         version = lib.kvps_abi_version()
         if version != ABI_VERSION:
             raise KernelUnavailable(f"the C library {path} has ABI version {version}, this package expects "
-                                    f"{ABI_VERSION}: rebuild it (pip install .)")
-        for dtype, code in DTYPE_CODES.items():
+                                    f"{ABI_VERSION}: rebuild it ({base.REBUILD})")
+        self._check_dtypes()
+
+    def _check_dtypes(self):
+        """Every code the library knows must be the kernel dtype kvps.dtypes gives it, and back."""
+        lib, known = self.lib, {}
+        for code in range(_MAX_DTYPE_CODE + 1):
             name = lib.kvps_dtype_name(code)
-            if name is None or name.decode() != dtype.name or lib.kvps_dtype_size(code) != dtype.itemsize:
-                raise KernelUnavailable(f"the C library {path} disagrees on dtype code {code} ({dtype.name})")
+            if name is None:
+                break
+            known[code] = (name.decode(errors="replace"), lib.kvps_dtype_size(code))
+        ours = {code: (dtype.name, dtype.itemsize) for dtype, code in DTYPE_CODES.items()}
+        for code in sorted(set(known) | set(ours)):
+            if known.get(code) != ours.get(code):
+                theirs = "unknown" if code not in known else f"{known[code][0]} ({known[code][1]} bytes)"
+                mine = "not a kernel dtype" if code not in ours else f"{ours[code][0]} ({ours[code][1]} bytes)"
+                raise KernelUnavailable(
+                    f"the C library {self.path} disagrees with kvps.dtypes on dtype code {code}: the library "
+                    f"has {theirs}, kvps.dtypes {mine} (csrc/kvps_kernels.h's KVPS_DTYPE_TABLE and "
+                    f"kvps/dtypes.py must list the same dtypes): rebuild it ({base.REBUILD})")
 
     def _check(self, status, op):
         """The one place where C status codes become Python exceptions."""
@@ -240,6 +246,8 @@ def load(path=None):
 @functools.lru_cache(maxsize=None)
 def _load(path):
     if not os.path.exists(path):
-        raise KernelUnavailable(f"the C library was not built ({path} is missing: the C compiler failed or was "
-                                f"absent at install time; see the pip install log)")
+        state, reason, _ = base.build_status(path)
+        why = reason if state == "failed" else "the C compiler failed or was absent at install time"
+        raise KernelUnavailable(f"the C library was not built ({path} is missing: {why}); "
+                                f"rebuild it with {base.REBUILD}")
     return NativeLibrary(path)

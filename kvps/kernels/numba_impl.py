@@ -10,7 +10,7 @@ gradient first, so each optimizer compiles once. Results equal reference.py bit 
 import numba as nb
 import numpy as np
 
-from kvps.kernels.backends import Backend
+from kvps.kernels.base import Backend
 from kvps.kernels.reference import bfloat16, topk_index_dtype
 
 F32 = np.float32

@@ -2,7 +2,7 @@
 
 Each function here defines its operation's exact result, rounding included; the C,
 numba and CUDA backends are tested against it bit for bit (NaN payloads aside). It is
-also a backend of its own (KVPS_KERNELS=numpy), and the servers use it directly for
+also a backend of its own (NumpyBackend, KVPS_KERNELS=numpy), and the servers use it directly for
 float64 weights. Functions work in place and do not validate their arguments (the
 public functions in kvps.kernels do); they accept any array shape.
 
@@ -22,13 +22,13 @@ Rounding rules, shared by all backends:
 """
 import numpy as np
 
-try:
-    from ml_dtypes import bfloat16
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    bfloat16 = None
+from kvps.dtypes import DType, numpy_dtype
 
+from kvps.kernels.base import Backend
+
+bfloat16 = numpy_dtype(DType.BFLOAT16).type
 F32 = np.float32
-LOW_PRECISION = tuple(np.dtype(t) for t in (np.float16, bfloat16) if t is not None)
+LOW_PRECISION = (numpy_dtype(DType.FLOAT16), numpy_dtype(DType.BFLOAT16))
 
 # Bit position of element j inside its uint32 word (little-endian view of MXNet's bytes).
 SHIFT2 = np.array([8 * (j // 4) + 6 - 2 * (j % 4) for j in range(16)], dtype=np.uint32)
@@ -286,3 +286,60 @@ def compress_topk(grad, residual, k):
 def decompress_topk_add(indices, values, dst):
     """dst[indices[j]] += values[j] in order; repeated indices add up."""
     np.add.at(dst.reshape(-1), indices.astype(np.int64), values.astype(F32))
+
+
+class NumpyBackend(Backend):
+    """The reference itself, as a backend."""
+
+    name = "numpy"
+
+    def details(self):
+        return "numpy reference (kvps/kernels/reference.py)"
+
+    def sum_into(self, dst, src):
+        sum_into(dst, src)
+
+    def sum_sources(self, dst, srcs):
+        sum_sources(dst, srcs)
+
+    def scale(self, x, alpha):
+        scale(x, alpha)
+
+    def axpy(self, y, alpha, x):
+        axpy(y, alpha, x)
+
+    def cast(self, src, dst):
+        cast(src, dst)
+
+    def sgd_update(self, weight, grad, mom, **kw):
+        sgd_update(weight, grad, mom, **kw)
+
+    def adam_update(self, weight, grad, mean, var, **kw):
+        adam_update(weight, grad, mean, var, **kw)
+
+    def adamw_update(self, weight, grad, mean, var, **kw):
+        adamw_update(weight, grad, mean, var, **kw)
+
+    def adagrad_update(self, weight, grad, history, **kw):
+        adagrad_update(weight, grad, history, **kw)
+
+    def rmsprop_update(self, weight, grad, n, **kw):
+        rmsprop_update(weight, grad, n, **kw)
+
+    def compress_2bit(self, grad, residual, threshold):
+        return compress_2bit(grad, residual, threshold)
+
+    def decompress_2bit_add(self, packed, threshold, dst):
+        decompress_2bit_add(packed, threshold, dst)
+
+    def compress_1bit(self, grad, residual, threshold):
+        return compress_1bit(grad, residual, threshold)
+
+    def decompress_1bit_add(self, packed, dst):
+        decompress_1bit_add(packed, dst)
+
+    def compress_topk(self, grad, residual, k):
+        return compress_topk(grad, residual, k)
+
+    def decompress_topk_add(self, indices, values, dst):
+        decompress_topk_add(indices, values, dst)

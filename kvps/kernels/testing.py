@@ -7,7 +7,7 @@ test data, optionally at a misaligned address, and `assert_same` compares bit fo
 """
 import numpy as np
 
-from kvps.kernels.backends import default_registry
+from kvps.kernels.select import default_registry
 from kvps.kernels.reference import bfloat16
 
 SIZES = (0, 1, 7, 15, 16, 17, 31, 33, 1023, 1025, 2**20 + 3)

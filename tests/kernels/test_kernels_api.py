@@ -11,10 +11,10 @@ import pytest
 
 from kvps import kernels
 from kvps.errors import KernelUnavailable
-from kvps.kernels import api, backends as backend_mod, native, testing
+from kvps.kernels import api, native, select, testing
 from kvps.kernels.reference import bfloat16
 
-HAS_C = backend_mod.default_registry().status("c")[0]
+HAS_C = select.default_registry().status("c")[0]
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_environment_variable_picks_the_backend(monkeypatch):
 def test_missing_c_library_falls_back_to_numba(monkeypatch, tmp_path):
     with pytest.raises(KernelUnavailable, match="was not built"):
         native.load(str(tmp_path / "nothing.so"))
-    registry = backend_mod.default_registry()
+    registry = select.default_registry()
 
     def no_library():
         raise KernelUnavailable("the C library was not built (test)")
@@ -223,3 +223,31 @@ def test_python_binding_covers_the_c_header():
     assert cpu == set(native.SIGNATURES)
     from kvps.kernels import cuda
     assert {n for n in declared if n.startswith("kvps_cuda_")} >= set(cuda.SIGNATURES)
+
+
+# ---- the dtype table: kvps.dtypes on the Python side, KVPS_DTYPE_TABLE on the C side -------------
+
+@pytest.mark.skipif(not HAS_C, reason="the C library was not built")
+def test_library_dtype_table_is_checked_against_kvps_dtypes(monkeypatch):
+    from kvps import dtypes
+    lib = native.load()
+    for dtype, code in native.DTYPE_CODES.items():
+        assert lib.lib.kvps_dtype_name(code).decode() == dtype.name == dtypes.numpy_dtype(code).name
+    assert lib.lib.kvps_dtype_name(len(native.DTYPE_CODES)) is None
+    # a Python table without int64, then one that calls code 5 something else: both are refused at load
+    monkeypatch.setattr(native, "DTYPE_CODES", {d: c for d, c in native.DTYPE_CODES.items() if c != 5})
+    with pytest.raises(KernelUnavailable, match=r"dtype code 5: the library has int64 \(8 bytes\), kvps.dtypes "
+                                                r"not a kernel dtype"):
+        native.NativeLibrary(lib.path)
+    monkeypatch.setattr(native, "DTYPE_CODES", {**native.DTYPE_CODES, np.dtype(np.uint64): 5})
+    with pytest.raises(KernelUnavailable, match=r"has int64 \(8 bytes\), kvps.dtypes uint64 \(8 bytes\)"):
+        native.NativeLibrary(lib.path)
+
+
+def test_cuda_dtype_codes_come_from_kvps_dtypes():
+    torch = pytest.importorskip("torch")
+    from kvps import dtypes
+    from kvps.kernels import cuda
+    assert cuda._dtype_codes() == {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+                                   torch.int32: 4, torch.int64: 5}
+    assert {dtypes.numpy_dtype(c) for c in cuda._dtype_codes().values()} == set(dtypes.KERNEL_CODES)
