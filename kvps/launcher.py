@@ -7,28 +7,20 @@ launcher returns the first non-zero worker exit code (0 when all succeed) and
 stops every child it started, by pid, when a worker fails or on Ctrl-C.
 `--launcher ssh -H hostfile` starts servers and workers on the listed hosts over
 ssh (MXNet's tools/launch.py); `--dry-run` prints those commands instead.
+
+Started from a shell, each child gets a session of its own, so Ctrl-C reaches only the launcher,
+which stops them. Started in a session of its own (as `kvps experiment` starts it, through
+kvps.supervisor), the launcher keeps its children in its process group instead, so that whoever
+started it can stop the whole job, whatever state the launcher is in, by signalling that group.
 """
 import os
 import shlex
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 
 from kvps.errors import ConfigError, KVTimeoutError
-
-READY_TIMEOUT = 30.0      # seconds for the scheduler to print READY
-DRAIN_TIMEOUT = 30.0      # seconds for servers and scheduler to exit once the workers are done
-
-
-def _pump(proc, prefix, out, lock):
-    for line in iter(proc.stdout.readline, b""):
-        with lock:
-            out.write(f"[{prefix}] {line.decode(errors='replace')}")
-            out.flush()
-    proc.stdout.close()
+from kvps.supervisor import DRAIN_TIMEOUT, READY_TIMEOUT, Supervisor, exit_code, leads_own_session
 
 
 class Job:
@@ -46,33 +38,24 @@ class Job:
         self.env = dict(os.environ, **(env or {}))
         self.worker_env = worker_env or {}      # rank -> extra variables for that worker only
         self.out = out or sys.stdout
-        self.procs = []            # (name, Popen)
-        self._lock = threading.Lock()
-        self._pumps = []
+        self.children = Supervisor(self.out, new_session=not leads_own_session())
         self.scheduler_address = None
 
-    def _start(self, name, argv, extra_env, pipe_ready=False):
-        env = dict(self.env, **extra_env)
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.procs.append((name, proc))
-        if pipe_ready:
-            return proc
-        self._pump(name, proc)
-        return proc
-
-    def _pump(self, name, proc):
-        t = threading.Thread(target=_pump, args=(proc, name, self.out, self._lock), daemon=True)
-        t.start()
-        self._pumps.append(t)
+    def _start(self, name, argv, extra_env, ready=False):
+        return self.children.spawn(name, argv, env=dict(self.env, **extra_env), ready=ready)
 
     def start(self):
+        """Start the scheduler, wait for its READY line, then the servers and workers. Returns self.
+        Raises KVTimeoutError (after stopping what it started) if the scheduler does not get ready."""
         base = {"KVPS_NUM_WORKERS": str(self.num_workers), "KVPS_NUM_SERVERS": str(self.num_servers),
                 "PYTHONUNBUFFERED": "1"}
-        sched = self._start("H", [self.python, "-m", "kvps.cli", "scheduler", "--port", "0"],
-                            dict(base, KVPS_ROLE="scheduler"), pipe_ready=True)
-        self.scheduler_address = self._await_ready(sched)
-        self._pump("H", sched)
+        self._start("H", [self.python, "-m", "kvps.cli", "scheduler", "--port", "0"],
+                    dict(base, KVPS_ROLE="scheduler"), ready=True)
+        try:
+            self.scheduler_address = self.children.ready("H", READY_TIMEOUT)
+        except KVTimeoutError:
+            self.stop()
+            raise
         base["KVPS_SCHEDULER"] = self.scheduler_address
         for rank in range(self.num_servers):
             self._start(f"S{rank}", [self.python, "-m", "kvps.cli", "server"],
@@ -82,115 +65,40 @@ class Job:
                                                       **self.worker_env.get(rank, {})))
         return self
 
-    def _await_ready(self, proc):
-        deadline = time.monotonic() + READY_TIMEOUT
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline().decode(errors="replace")
-            if not line:
-                break
-            if line.startswith("READY "):
-                return line.split()[1]
-            lines.append(line)
-        self.stop()
-        raise KVTimeoutError(f"the scheduler did not print READY within {READY_TIMEOUT:g} s; it said:\n"
-                             + "".join(lines))
-
     def wait(self, timeout=None):
         """Supervise until the workers finish; returns the job's exit code. With a timeout (seconds),
         a job still running then is stopped and KVTimeoutError raised."""
-        workers = [(n, p) for n, p in self.procs if n.startswith("W")]
+        workers = [n for n in self.children.procs if n.startswith("W")]
         code = 0
         give_up = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if give_up is not None and time.monotonic() > give_up:
+        while self.children.running(workers):
+            exited = self.children.wait_any(None if give_up is None else give_up - time.monotonic())
+            if exited is None:
+                running = ", ".join(self.children.running(workers))
                 self.stop()
-                running = ", ".join(n for n, p in workers if p.returncode is None or p.returncode < 0)
                 raise KVTimeoutError(f"the job did not finish within {timeout:g} s (workers still running: "
                                      f"{running or 'none'}); stopped it")
-            running = [p for _, p in workers if p.poll() is None]
-            failed = [(n, p.returncode) for n, p in workers if p.returncode not in (None, 0)]
-            if failed and code == 0:
-                code = failed[0][1]
-                self._say(f"worker {failed[0][0]} exited with code {code}; stopping the job")
+            name, returncode = exited
+            if name.startswith("W") and returncode:
+                code = returncode
+                self._say(f"worker {name} exited with code {code}; stopping the job")
                 break
-            if not running:
-                break
-            time.sleep(0.05)
-        deadline = time.monotonic() + (0 if code else DRAIN_TIMEOUT)
-        while time.monotonic() < deadline and any(p.poll() is None for _, p in self.procs):
-            time.sleep(0.05)
+        if code == 0:
+            self.children.wait(DRAIN_TIMEOUT)
         self.stop()
         if code == 0:
-            daemons = [(n, p.returncode) for n, p in self.procs if not n.startswith("W") and p.returncode]
+            daemons = [(n, c) for n, c in self.children.poll().items() if not n.startswith("W") and c]
             if daemons:
                 self._say("daemons exited with errors: " + ", ".join(f"{n}={c}" for n, c in daemons))
                 code = daemons[0][1] if daemons[0][1] > 0 else 1
-        for t in self._pumps:
-            t.join(2)
         return exit_code(code)
 
     def stop(self):
-        """Terminate every child still running (SIGTERM, then SIGKILL)."""
-        stop_processes([p for _, p in self.procs])
+        """Stop every child still running (SIGTERM, then SIGKILL), by pid."""
+        self.children.stop()
 
     def _say(self, text):
-        with self._lock:
-            self.out.write(f"[launch] {text}\n")
-            self.out.flush()
-
-
-def stop_processes(procs, grace=5.0):
-    """SIGTERM each process still running (with its session: it was started with
-    start_new_session), then SIGKILL those still there after `grace` seconds."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass          # unkillable (stuck in the kernel); nothing more to do
-
-
-def wait_children(procs, timeout, drain=0.0, poll=0.05):
-    """Wait for [(name, Popen)] whose workers are named W*: until every worker has exited (then up
-    to `drain` seconds more for the rest), a child fails, or `timeout` passes. Returns 0, the first
-    failure's exit code, or None on timeout. Stops nothing: the caller stops its own children."""
-    deadline = time.monotonic() + timeout
-    workers = [p for n, p in procs if n.startswith("W")]
-
-    def failure():
-        failed = [p.returncode for _, p in procs if p.poll() not in (None, 0)]
-        return exit_code(failed[0]) if failed else 0
-
-    while any(p.poll() is None for p in workers):
-        if failure():
-            return failure()
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(poll)
-    until = min(deadline, time.monotonic() + drain)
-    while any(p.poll() is None for _, p in procs) and time.monotonic() < until:
-        time.sleep(poll)
-    return failure()
-
-
-def exit_code(returncode):
-    """A shell-style exit code: a process killed by signal N gives 128 + N."""
-    return returncode if returncode >= 0 else 128 - returncode
-
-
-def _signal(proc, sig):
-    try:
-        os.killpg(proc.pid, sig)      # the child's own session: it and what it started
-    except ProcessLookupError:
-        pass
+        self.children.emit("launch", text)
 
 
 def straggler_env(items, num_workers, seed=0):

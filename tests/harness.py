@@ -5,13 +5,18 @@
         assert c.wait_daemons() == [0, 0]
 
 The scheduler binds port 0 and reports it on its READY line. The harness stops
-only the processes it started (by pid) and puts their logs in failure messages.
+only the processes it started (by pid, through kvps.supervisor) and puts their logs
+in failure messages.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+
+from kvps.errors import KVTimeoutError
+from kvps.supervisor import READY_TIMEOUT, Supervisor
 
 PY = sys.executable
 FAST_ENV = {
@@ -33,7 +38,8 @@ def run_command(argv, cwd, timeout):
 
 
 def read_ready(proc, timeout, what):
-    """The HOST:PORT of a READY line on proc's stdout, within `timeout` seconds."""
+    """The HOST:PORT of a READY line on proc's stdout, within `timeout` seconds: for daemons a test
+    starts by hand, as a user would (Cluster's children are kvps.supervisor's, which reads READY itself)."""
     import selectors
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -52,13 +58,17 @@ def read_ready(proc, timeout, what):
 
 
 class Cluster:
+    """The scheduler and servers of one test job (started by start()), and its workers; each child's
+    stdout goes to NAME.log in `tmp_path`, its stderr to NAME.err (kvps.supervisor keeps them)."""
+
     def __init__(self, tmp_path, workers, servers, env=None, server_args=(), start_servers=True):
         self.dir = tmp_path
         self.workers, self.servers = workers, servers
         self.env = dict(os.environ, **FAST_ENV, KVPS_NUM_WORKERS=str(workers), KVPS_NUM_SERVERS=str(servers),
                         **(env or {}))
         self.env.pop("KVPS_SCHEDULER", None)
-        self.procs = []              # (name, Popen, log path)
+        # The children share the test's process group: Ctrl-C on pytest reaches them too.
+        self.children = Supervisor(new_session=False)
         self.server_args = list(server_args)
         self.start_servers = start_servers
         self.address = None
@@ -69,23 +79,26 @@ class Cluster:
     def __exit__(self, *exc):
         self.close()
 
-    def _spawn(self, name, argv, env=None, stdout=None):
+    def _spawn(self, name, argv, env=None, ready=False):
         log = self.dir / f"{name}.log"
-        out = open(log, "wb") if stdout is None else stdout
-        proc = subprocess.Popen(argv, env=env or self.env, stdout=out, stderr=open(log.with_suffix(".err"), "wb"),
-                                cwd=self.dir)
-        self.procs.append((name, proc, log))
-        return proc
+        return self.children.spawn(name, argv, env=env or self.env, ready=ready, log=log,
+                                   stderr=log.with_suffix(".err"), cwd=self.dir)
+
+    def _ready(self, name):
+        try:
+            return self.children.ready(name, READY_TIMEOUT)
+        except KVTimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def start(self):
-        sched = self._spawn("H", [PY, "-m", "kvps.cli", "scheduler", "--port", "0"], stdout=subprocess.PIPE)
-        self.address = read_ready(sched, 30, "the scheduler")
+        self._spawn("H", [PY, "-m", "kvps.cli", "scheduler", "--port", "0"], ready=True)
+        self.address = self._ready("H")
         self.env["KVPS_SCHEDULER"] = self.address
         self.server_ports = []
         if self.start_servers:
             for i in range(self.servers):
-                proc = self._spawn(f"S{i}", [PY, "-m", "kvps.cli", "server", *self.server_args], stdout=subprocess.PIPE)
-                self.server_ports.append(int(read_ready(proc, 30, f"server {i}").rsplit(":", 1)[1]))
+                self._spawn(f"S{i}", [PY, "-m", "kvps.cli", "server", *self.server_args], ready=True)
+                self.server_ports.append(int(self._ready(f"S{i}").rsplit(":", 1)[1]))
         return self
 
     def spawn_workers(self, script, env=None, count=None):
@@ -107,28 +120,30 @@ class Cluster:
         return [self.output(f"W{i}") for i in range(len(procs))]
 
     def wait(self, procs, timeout):
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"processes still running after {timeout} s\n{self.logs()}") from None
+        """Wait for these children (Popen objects spawn_workers or proc() gave) to exit; a deadline
+        passed fails the test with every child's log."""
+        names = {id(p): n for n, p in self.children.procs.items()}
+        codes = self.children.wait(timeout, [names[id(p)] for p in procs])
+        running = [n for n, code in codes.items() if code is None]
+        if running:
+            raise AssertionError(f"processes {', '.join(running)} still running after {timeout} s\n{self.logs()}")
 
     def output(self, name):
         path = self.dir / f"{name}.log"
         return [json.loads(line) for line in path.read_text().splitlines() if line.startswith(("{", "["))]
 
     def wait_daemons(self, timeout=30):
-        daemons = [p for n, p, _ in self.procs if n[0] in "HS"]
+        daemons = [p for n, p in self.children.procs.items() if n[0] in "HS"]
         self.wait(daemons, timeout)
         return [p.returncode for p in daemons]
 
     def proc(self, name):
-        return next(p for n, p, _ in self.procs if n == name)
+        return self.children.procs[name]
 
     def logs(self):
         parts = []
-        for name, _, log in self.procs:
+        for name in self.children.procs:
+            log = self.dir / f"{name}.log"
             for path in (log, log.with_suffix(".err")):
                 if path.exists():
                     text = path.read_text(errors="replace")[-3000:]
@@ -137,11 +152,5 @@ class Cluster:
         return "\n".join(parts)
 
     def close(self):
-        for _, p, _ in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for _, p, _ in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        """Kill every child still running (only those this cluster started, by pid) and wait for them."""
+        self.children.stop(grace=10, sig=signal.SIGKILL)

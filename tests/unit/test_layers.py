@@ -19,6 +19,7 @@ LAYERS = (
     ("kvps.arrays", "kvps.wire", "kvps.ps"),
     ("kvps.collective",),
     ("kvps.kvstore",),
+    ("kvps.supervisor",),
     ("kvps", "kvps.launcher"),
     ("kvps.torch",),
     ("server", "scheduler"),

@@ -14,9 +14,9 @@ import os
 import socket
 import subprocess
 
-from kvps.tools.bench.logged_job import LoggedJob
+from kvps.supervisor import DRAIN_TIMEOUT     # seconds for scheduler and servers to exit after the workers
 
-DRAIN_TIMEOUT = 30.0       # seconds for scheduler and servers to exit after the workers
+from kvps.tools.bench.logged_job import LoggedJob
 
 # Variables of the kvps environment that must not leak into MXNet's interpreter.
 _DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "__PYVENV_LAUNCHER__")

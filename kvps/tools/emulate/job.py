@@ -14,25 +14,21 @@ Every node advertises its host's 198.18 address (KVPS_HOST); servers bind it.
 
 Each child's output is printed with its role and rank ([H], [S0], [W1]), as `kvps launch` does.
 A failing worker stops the job; every wait has a deadline; only processes this job started are
-stopped, by pid (through Network.stop).
+stopped, by pid (kvps.supervisor does the spawning, the READY line, the output and the stopping).
 
-HostJob is what every job on the hosts shares (spawning a node inside its host, the READY line,
-output, deadlines, stopping); EmulatedJob is kvps's, baselines.py has gloo's and MXNet's.
+HostJob is what every job on the hosts shares (each node's argv wrapped to run inside its host, the
+job's deadlines and exit rules); EmulatedJob is kvps's, baselines.py has gloo's and MXNet's.
 """
 import os
-import queue
-import selectors
 import subprocess
 import sys
-import threading
 import time
 
 from kvps.errors import ConfigError, KVTimeoutError, NodeFailure
+from kvps.supervisor import DRAIN_TIMEOUT, READY_TIMEOUT, Supervisor
 
-from kvps.tools.emulate.network import Network
+from kvps.tools.emulate.network import STOP_TIMEOUT, Network
 
-READY_TIMEOUT = 30.0      # seconds for the scheduler to print READY
-DRAIN_TIMEOUT = 30.0      # seconds for the servers and scheduler to exit once the workers are done
 JOB_TIMEOUT = 600.0       # default deadline for a whole job
 
 
@@ -69,10 +65,12 @@ class HostJob:
         self.workers = sum(1 for n in self.places if n.startswith("W"))
         self.env = dict(environ)
         self.out = out or sys.stdout
-        self.procs = {}                 # node name -> Popen
-        self._exited = queue.Queue()    # node names, as their processes exit
-        self._lock = threading.Lock()
-        self._threads = []
+        self.children = Supervisor(self.out)
+
+    @property
+    def procs(self):
+        """{node name: Popen} of the nodes started so far."""
+        return self.children.procs
 
     def describe(self):
         """One line per host: its address and the nodes on it."""
@@ -93,51 +91,19 @@ class HostJob:
         raise NotImplementedError
 
     def _spawn(self, name, argv, extra_env, ready=False):
-        """Start node `name` inside its host's namespace. Returns its Popen, or with ready=True the
-        word after the `READY` line it prints (waiting READY_TIMEOUT for it)."""
-        # A pipe that must be read line by line before the pump starts is unbuffered, so the select()
-        # in _await_ready sees every line.
-        proc = self.net.popen(self.places[name], argv, env=dict(self.env, **extra_env), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0 if ready else -1)
-        self.procs[name] = proc
-        word = self._await_ready(name, proc) if ready else None
-        self._watch(name, proc)
-        return word if ready else proc
-
-    def _await_ready(self, name, proc):
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + READY_TIMEOUT
-        said = []
+        """Start node `name` inside its host's namespace (`ip netns exec` execs argv: the child's pid is
+        the node's). Returns its Popen, or with ready=True the word after the `READY` line it prints
+        (waiting READY_TIMEOUT for it). Raises ConfigError for a host the network does not have."""
+        host = self.places[name]
+        proc = self.children.spawn(name, self.net.command(host, argv), env=dict(self.env, **extra_env),
+                                   ready=ready, stdin=subprocess.DEVNULL)
+        if not ready:
+            return proc
         try:
-            while sel.select(max(0.0, deadline - time.monotonic())):
-                line = proc.stdout.readline().decode(errors="replace")
-                if not line:
-                    break
-                if line.startswith("READY "):
-                    return line.split()[1]
-                said.append(line)
-        finally:
-            sel.close()
-        self.stop()
-        raise KVTimeoutError(f"{name} on {self.places[name]} did not print READY within {READY_TIMEOUT:g} s"
-                             f" (exit code {proc.poll()}); it said:\n" + "".join(said))
-
-    def _watch(self, name, proc):
-        """Two threads per child: one prints its output with a prefix, one reports its exit."""
-        def pump():
-            for line in iter(proc.stdout.readline, b""):
-                self._write(f"[{name}] {line.decode(errors='replace')}")
-            proc.stdout.close()
-
-        def reap():
-            proc.wait()
-            self._exited.put(name)
-
-        for target in (pump, reap):
-            t = threading.Thread(target=target, name=f"emulate-{name}-{target.__name__}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            return self.children.ready(name, READY_TIMEOUT)
+        except KVTimeoutError as exc:
+            self.stop()
+            raise KVTimeoutError(f"on {host}: {exc}") from None
 
     # ---- waiting ----
     def wait(self, timeout=JOB_TIMEOUT):
@@ -151,31 +117,23 @@ class HostJob:
         pending = set(workers)          # workers whose exit has not been seen yet (each is reported once)
         try:
             while pending:
-                try:
-                    name = self._exited.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    running = [w for w in workers if self.procs[w].poll() is None]
-                    raise KVTimeoutError(f"workers {', '.join(running)} still running after {timeout:g} s") from None
+                exited = self.children.wait_any(deadline - time.monotonic())
+                if exited is None:
+                    running = self.children.running(workers)
+                    raise KVTimeoutError(f"workers {', '.join(running)} still running after {timeout:g} s")
+                name, code = exited
                 pending.discard(name)
-                code = self.procs[name].returncode
                 if code and name.startswith("W"):
                     self.say(f"worker {name} exited with code {code}; stopping the job")
                     break
-                if code and not name.startswith("W") and any(self.procs[w].poll() is None for w in pending):
+                if code and not name.startswith("W") and self.children.running(pending):
                     raise NodeFailure(f"{name} on {self.places[name]} exited with code {code} while workers ran")
-            failed = any(self.procs[w].returncode for w in workers)
-            self._drain(DRAIN_TIMEOUT if self.daemons_exit and not failed else 0)
+            failed = any(self.children.poll()[w] for w in workers)
+            self.children.wait(DRAIN_TIMEOUT if self.daemons_exit and not failed else 0)
         finally:
             self.stop()
-        return [self.procs[w].returncode for w in workers]
-
-    def _drain(self, seconds):
-        deadline = time.monotonic() + seconds
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:      # stop() ends it
-                break
+        codes = self.children.poll()
+        return [codes[w] for w in workers]
 
     def run(self, timeout=JOB_TIMEOUT):
         """start(), then wait(timeout); stops the job however it ends (Ctrl-C included)."""
@@ -186,18 +144,11 @@ class HostJob:
             self.stop()
 
     def stop(self):
-        """Stop every child of this job still running (by pid, through the network)."""
-        self.net.stop(list(self.procs.values()))
-        for t in self._threads:
-            t.join(2)
+        """Stop every child of this job still running, by pid (SIGTERM, SIGKILL after STOP_TIMEOUT)."""
+        self.children.stop(STOP_TIMEOUT)
 
     def say(self, text):
-        self._write(f"[emulate] {text}\n")
-
-    def _write(self, text):
-        with self._lock:
-            self.out.write(text)
-            self.out.flush()
+        self.children.emit("emulate", text)
 
 
 class EmulatedJob(HostJob):

@@ -9,20 +9,20 @@ results.json as it is): the spec, status ("ok", "failed", "timeout"), exit code,
 rank 0's evaluation points, every worker's final line, the servers' counters, and for a run
 that did not succeed an error and the tail of its output.
 
-A run past its deadline is stopped: SIGINT to the launcher, which stops the scheduler, servers
-and workers it started (by pid); SIGKILL to the launcher if it has not exited 15 s later, and
-to any child it left behind (one it was still starting), known by pid and start time.
+The launcher runs in a session of its own (kvps.supervisor), and keeps its children in its process
+group (kvps.launcher). A run past its deadline is stopped: SIGINT to the launcher, which stops the
+scheduler, servers and workers it started (by pid); SIGKILL to its process group if it has not
+exited 15 s later. Either way, whatever is left in that group once the launcher has exited (a child
+it was still starting) is killed with it, so no process of a run outlives it.
 """
-import collections
 import json
 import os
-import queue
 import shlex
 import signal
-import subprocess
 import sys
-import threading
 import time
+
+from kvps.supervisor import Supervisor
 
 from kvps.tools.experiment.presets import WORKLOADS
 
@@ -70,64 +70,6 @@ def parse_line(line):
     return (int(head[2:]), record) if isinstance(record, dict) and "event" in record else None
 
 
-def _reader(stream, lines):
-    for line in iter(stream.readline, ""):
-        lines.put(line.rstrip("\n"))
-    lines.put(None)
-
-
-def _stat(pid):
-    """(parent pid, start time) of a process from /proc, or None (gone, or not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()      # after the command name: field 3 onwards
-        return int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _children(pid):
-    """{child pid: its start time} for the processes whose parent is `pid`."""
-    try:
-        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return {}
-    stats = {e: _stat(e) for e in entries}
-    return {e: st[1] for e, st in stats.items() if st and st[0] == pid}
-
-
-def _stop(proc):
-    """Stop the launcher: SIGINT, on which it stops the children it started; SIGKILL if it will not.
-    Children it leaves behind (interrupted while it was starting them) are killed by pid, each
-    checked by its start time first so that a reused pid is never hit."""
-    if proc.poll() is not None:
-        return
-    children = _children(proc.pid)
-    try:
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(STOP_GRACE)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        proc.wait(STOP_GRACE)
-    except ProcessLookupError:
-        pass
-    for pid, started in children.items():
-        st = _stat(pid)
-        if st and st[1] == started:
-            _kill_group(pid)
-
-
-def _kill_group(pid):
-    """SIGKILL the session a process leads (the launcher starts each child in its own)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)       # not a session leader: the process alone
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def run(spec, delay=0.0, timeout=180.0, say=print, kind="fixed", seed=0, env=None):
     """Run one job; returns its result dict (never raises for a failed or hung job)."""
     straggler = straggler_of(spec, delay, kind)
@@ -140,64 +82,44 @@ def run(spec, delay=0.0, timeout=180.0, say=print, kind="fixed", seed=0, env=Non
     env = {**os.environ, **THREAD_ENV, **(env or {})}
     # A call that hangs inside the job fails by itself before the run's deadline, with a message.
     env.setdefault("KVPS_TIMEOUT", str(max(10, int(timeout / 2))))
-    tail = collections.deque(maxlen=TAIL_LINES)
-    lines = queue.Queue()
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
-    reader = threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True)
-    reader.start()
     shown = -PROGRESS_EVERY
+
+    def on_line(name, line):             # in the supervisor's output thread, one line at a time
+        nonlocal shown
+        parsed = parse_line(line)
+        if parsed is None:
+            return
+        rank, record = parsed
+        if record["event"] == "point" and rank == 0:
+            result["points"].append(record)
+            if record["time"] - shown >= PROGRESS_EVERY:
+                shown = record["time"]
+                say(f"    t={record['time']:5.1f} s  updates={record['updates']:6d}  "
+                    f"loss={record['loss']:.4f}  accuracy={record['accuracy']:.3f}")
+        elif record["event"] == "final":
+            result["finals"].append(record)
+            if record.get("server") is not None:
+                result["server"] = record["server"]
+
+    launcher = Supervisor(on_line, tail_lines=TAIL_LINES)
+    start = time.monotonic()
+    finished = False
     try:
-        while True:
-            left = start + timeout - time.monotonic()
-            if left <= 0:
-                _timed_out(proc, result, timeout)
-                break
-            try:
-                line = lines.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if line is None:                        # the launcher closed its output: it is exiting
-                try:
-                    proc.wait(max(1.0, start + timeout - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    _timed_out(proc, result, timeout)
-                break
-            tail.append(line)
-            parsed = parse_line(line)
-            if parsed is None:
-                continue
-            rank, record = parsed
-            if record["event"] == "point" and rank == 0:
-                result["points"].append(record)
-                if record["time"] - shown >= PROGRESS_EVERY:
-                    shown = record["time"]
-                    say(f"    t={record['time']:5.1f} s  updates={record['updates']:6d}  "
-                        f"loss={record['loss']:.4f}  accuracy={record['accuracy']:.3f}")
-            elif record["event"] == "final":
-                result["finals"].append(record)
-                if record.get("server") is not None:
-                    result["server"] = record["server"]
-    except KeyboardInterrupt:
-        _stop(proc)
-        raise
-    finally:
-        reader.join(5)
+        launcher.spawn("launch", argv, env=env)
+        finished = launcher.wait_any(timeout) is not None
+    finally:        # Ctrl-C included; SIGINT alone: the launcher stops its children by itself
+        launcher.stop(STOP_GRACE, signal.SIGINT, group=False)
     result["wall_s"] = round(time.monotonic() - start, 3)
-    result["exit_code"] = proc.returncode
+    result["exit_code"] = launcher.poll()["launch"]
     result["finals"].sort(key=lambda f: f.get("rank", 0))
-    if result["status"] is None:
+    if not finished:
+        result["status"] = "timeout"
+        result["error"] = f"no result within the {timeout:g} s deadline; stopped the job"
+    else:
         result["status"], result["error"] = _judge(result, spec.workers)
     if result["status"] != "ok":
-        result["tail"] = list(tail)
+        result["tail"] = launcher.tail("launch")
     return result
-
-
-def _timed_out(proc, result, timeout):
-    _stop(proc)
-    result["status"] = "timeout"
-    result["error"] = f"no result within the {timeout:g} s deadline; stopped the job"
 
 
 def _judge(result, workers):
