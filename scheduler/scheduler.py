@@ -7,16 +7,18 @@ Job life cycle:
 2. Nodes send heartbeats; a node silent for KVPS_HEARTBEAT_TIMEOUT is declared
    dead and every other node is told (NODE_FAILED), so nobody hangs on it.
 3. BARRIER requests are answered when every live member of the group has arrived.
-4. A worker that finishes sends FINALIZE; the servers are told it left. When
-   every worker has finished or died, the servers get SHUTDOWN and the scheduler
-   exits: 0 if nothing died, 1 otherwise.
+4. A worker that finishes sends FINALIZE; the others are told it left (NODE_LEFT,
+   not a failure). When every worker has finished or died, the servers get
+   SHUTDOWN and the scheduler exits: 0 if nothing died, 1 otherwise.
+
+The decoder has checked every message's meta against its op's schema
+(kvps.wire.protocol.SCHEMA), so handlers read fields without re-checking types.
 """
 import dataclasses
 import logging
 import threading
 import time
 
-from kvps.errors import describe
 from kvps.wire.membership import node_name
 from kvps.wire.protocol import Header, Op, error_header
 from kvps.wire.transport import Van
@@ -102,21 +104,18 @@ class Scheduler:
 
     def _register(self, routing_id, header):
         meta = header.meta
-        role = meta.get("role")
+        role = meta["role"]
         want = {"server": self.cfg.num_servers, "worker": self.cfg.num_workers}
         if role not in want:
-            return self._refuse(routing_id, header, f"REGISTER with role {role!r} (expected server or worker)")
+            return self._refuse(routing_id, header, f"REGISTER with role {role[:60]!r} (expected server or worker)")
         if self.formed:
-            return self._refuse(routing_id, header, f"a {role} (pid {meta.get('pid')}) tried to join a job that "
+            return self._refuse(routing_id, header, f"a {role} (pid {meta['pid']}) tried to join a job that "
                                                     f"already has all {want[role]} {role}s", kind="error")
         if sum(m.role == role for m in self.members) >= want[role]:
-            return self._refuse(routing_id, header, f"a {role} (pid {meta.get('pid')}) registered, but the job "
+            return self._refuse(routing_id, header, f"a {role} (pid {meta['pid']}) registered, but the job "
                                                     f"was started for {want[role]} {role}s", kind="error")
-        try:
-            member = Member(routing_id, header.id, role, str(meta["host"]), int(meta["port"]), int(meta["pid"]),
-                            int(meta.get("rank", -1)), str(meta.get("mode", "")), time.monotonic())
-        except (KeyError, TypeError, ValueError) as exc:
-            return self._refuse(routing_id, header, f"REGISTER is missing or has a bad field: {describe(exc)}")
+        member = Member(routing_id, header.id, role, meta["host"], meta["port"], meta["pid"], meta.get("rank", -1),
+                        meta.get("mode", ""), time.monotonic())
         self.members.append(member)
         self.by_routing[routing_id] = member
         log.info("H: %s registered from %s:%d", member.name, member.host, member.port)
@@ -154,9 +153,10 @@ class Scheduler:
         log.info("H: job formed: %d servers, %d workers, mode %s", len(servers), len(workers), table["mode"])
 
     def _barrier(self, member, header):
-        group = header.meta.get("group")
+        group = header.meta["group"]
         if group not in GROUPS:
-            return self._refuse(member.routing_id, header, f"barrier group {group!r} is not one of {sorted(GROUPS)}",
+            return self._refuse(member.routing_id, header,
+                                f"barrier group {group[:60]!r} is not one of {sorted(GROUPS)}",
                                 kind="value")
         self.barriers[group].append((member.routing_id, header.id, member.name))
         self._release(group)
@@ -175,8 +175,7 @@ class Scheduler:
         if member.state == "alive":
             member.state = "left"
             log.info("H: %s finished", member.name)
-            self._tell_all(Header(Op.NODE_FAILED, 0, "H", meta={"node": member.name, "left": True,
-                                                                 "reason": "it closed its kvstore"}))
+            self._tell_all(Header(Op.NODE_LEFT, 0, "H", meta={"node": member.name, "reason": "it closed its kvstore"}))
             for group in GROUPS:
                 self._release(group)
         self._maybe_end()

@@ -9,11 +9,13 @@ A node sends a heartbeat to the scheduler every KVPS_HEARTBEAT_INTERVAL and
 takes the scheduler's replies as its heartbeat; silence for
 KVPS_HEARTBEAT_TIMEOUT fails every pending and later call with NodeFailure.
 When the scheduler reports a dead node (NODE_FAILED), the same happens, with
-the dead node's name in the message.
+the dead node's name in the message. A worker that left on purpose (NODE_LEFT)
+is no failure: it only goes into `left` and to the on_worker_left hook.
 """
 import logging
 import os
 import socket
+import threading
 import time
 
 from kvps.errors import KVPSError, NodeFailure, describe
@@ -64,6 +66,9 @@ class Node:
         self._last_heard = time.monotonic()
         self.failure = None             # NodeFailure once the job is broken
         self.left = set()               # workers that closed cleanly
+        self._ended = None              # what ended this node's waits: its failure, or its stop
+        self._end_listeners = []
+        self._end_lock = threading.Lock()
 
     # ---- lifecycle ----
     def start(self):
@@ -84,7 +89,29 @@ class Node:
                  len(self.membership["servers"]), len(self.membership["workers"]))
 
     def stop(self):
+        self._end_waits(KVPSError(f"{self.name} has stopped (it left the job or shut down)"))
         self.van.stop()
+
+    def add_failure_listener(self, listener):
+        """Call listener(exc) once, when waits on this node must end: with the NodeFailure when the
+        job breaks (on the I/O thread), or with a KVPSError when the node stops (on the stopping
+        thread); at once if that already happened. It must be short and must not block."""
+        with self._end_lock:
+            if self._ended is None:
+                self._end_listeners.append(listener)
+                return
+        listener(self._ended)
+
+    def _end_waits(self, exc):
+        with self._end_lock:
+            if self._ended is not None:
+                return
+            self._ended, listeners, self._end_listeners = exc, self._end_listeners, []
+        for listener in listeners:
+            try:
+                listener(exc)
+            except Exception:
+                log.exception("%s: failure listener %r failed", self.name, listener)
 
     def leave(self):
         """Tell the scheduler this worker is done (unless the job is broken), then stop."""
@@ -145,6 +172,9 @@ class Node:
                 log.warning("%s: unsolicited error from %s: %s", self.name, who, header.meta.get("message"))
         elif header.op == Op.NODE_FAILED:
             self._node_failed(header.meta)
+        elif header.op == Op.NODE_LEFT:
+            self.left.add(header.meta["node"])
+            self.on_worker_left(header.meta["node"])
         elif header.op == Op.SHUTDOWN:
             self.on_shutdown()
         else:
@@ -157,15 +187,12 @@ class Node:
             self.requests.fail(type(exc)(f"{source[1]}: {describe(exc)}"), peer=source[1])
 
     def _node_failed(self, meta):
-        if meta.get("left"):
-            self.left.add(meta.get("node"))
-            self.on_worker_left(meta.get("node"))
-            return
         failure = node_failure(meta)
         log.error("%s: %s", self.name, failure)
         self.failure = self.failure or failure
         self.requests.fail_all(failure)
         self.on_failure(meta.get("node"), failure)
+        self._end_waits(self.failure)
 
     def _heartbeat(self):
         silent = time.monotonic() - self._last_heard
@@ -196,14 +223,36 @@ class Node:
 
 class Worker(Node):
     """A worker's node: talks to every server, and binds a ROUTER of its own so that other
-    workers can reach it (ring all-reduce). Peer messages go to `peer_handler`."""
+    workers can reach it (ring all-reduce). It connects to its right neighbour, which
+    `send_to_peer` reaches; RING messages from other workers go to the handlers given to
+    `on_peer_message`."""
 
     def __init__(self, cfg, meta=None):
         super().__init__(cfg, "worker", meta)
         self.van.bind(advertised_host(cfg), 0)
-        self.peer_handler = None        # callable(header, payloads), set by a ring
+        self._peer_handlers = ()        # callables(header, payloads); replaced, never changed in place
+        self._peers = set()             # the workers this one holds a DEALER to
+
+    def on_peer_message(self, handler):
+        """Subscribe handler(header, payloads) to the RING messages other workers send this one.
+        It runs on the I/O thread: it must be short and must not block."""
+        self._peer_handlers = (*self._peer_handlers, handler)
+
+    def send_to_peer(self, name, header, payloads=(), on_sent=None):
+        """Send a message to worker `name`, its payloads without copying. on_sent() runs once zmq no
+        longer reads them (sent, or dropped because this node stopped or `name` failed), on the I/O
+        thread or a zmq thread; until then they must not change. Raises the job's NodeFailure once
+        it is broken, KVPSError once this node has stopped or for a worker it does not connect to."""
+        if self.failure is not None:
+            raise self.failure
+        if name not in self._peers:
+            raise KVPSError(f"{self.name} does not connect to worker {name!r} "
+                            f"(it connects to {', '.join(sorted(self._peers)) or 'no worker'})")
+        header.src = self.name
+        self.van.send(name, header, payloads, on_sent)
 
     def on_membership(self, meta):
+        self.van.name = self.name       # transport errors and logs name the worker from now on
         for rank, (host, port, _) in enumerate(meta["servers"]):
             self.van.connect(f"S{rank}", host, port)
         workers = meta["workers"]
@@ -211,9 +260,18 @@ class Worker(Node):
             right = (meta["rank"] + 1) % len(workers)
             host, port, _ = workers[right]
             self.van.connect(f"W{right}", host, port)
+            self._peers.add(f"W{right}")
+
+    def on_failure(self, node, failure):
+        # A DEALER keeps what is queued for a dead peer until it comes back, which it never does:
+        # closing it drops those messages, so zmq lets go of their buffers and waits for them end.
+        if node in self._peers:
+            self.van.disconnect(node)
 
     def on_client(self, routing_id, header, payloads):
-        if header.op == Op.RING and self.peer_handler is not None:
-            self.peer_handler(header, payloads)
+        handlers = self._peer_handlers
+        if header.op == Op.RING and handlers:
+            for handler in handlers:
+                handler(header, payloads)
         else:
             log.warning("%s: unexpected %r dropped", self.name, header)

@@ -1,4 +1,4 @@
-"""The kvps wire protocol: version, op codes, dtypes and the message header.
+"""The kvps wire protocol: version, op codes, dtypes, the message header and each op's meta schema.
 
 A message is a ZeroMQ multipart message:
 
@@ -16,11 +16,18 @@ Header fields (all required; unknown fields are refused):
     keys   list   entries [key, part, dtype, shape, nbytes]: key is int or str, part is the
                   part index of a split array (0 for whole arrays), dtype a DType value,
                   shape a list of ints, nbytes the size of this entry's payload frame (0: none)
-    meta   map    small op-specific fields (str keys; msgpack scalars, lists and maps)
+    meta   map    op-specific fields, declared per op in SCHEMA: who sends the op, what it means,
+                  and each field's name, type, whether it is required, and meaning
 
-Payloads never go inside msgpack, and nothing received is ever unpickled.
+`decode` checks every field, meta included, by exact type, so a value nested where a scalar
+belongs (or deeper than its declared type) is refused at the first level it does not fit, and
+error texts quote a bounded extract of what came in. Payloads never go inside msgpack, and nothing
+received is ever unpickled. docs/wire.md holds SCHEMA as tables (`schema_markdown()`);
+`python tests/unit/test_wire_schema.py --write` regenerates them.
 """
+import dataclasses
 import enum
+import reprlib
 
 import msgpack
 import numpy as np
@@ -32,35 +39,257 @@ VERSION = 1
 
 
 class Op(enum.IntEnum):
-    # control: nodes <-> scheduler
-    REGISTER = 1        # node -> H   meta: role, host, port, pid, rank (wanted), mode (workers)
-    MEMBERSHIP = 2      # H -> node   reply to REGISTER once all have registered: meta: rank, nodes, mode
-    BARRIER = 3         # node -> H   meta: group ("workers", "servers", "all")
-    HEARTBEAT = 4       # node -> H
-    FINALIZE = 5        # worker -> H: this worker is done
-    SHUTDOWN = 6        # H -> server: exit now
-    NODE_FAILED = 7     # H -> all    meta: node, reason, left (True: closed cleanly)
-    ACK = 8             # reply: done
-    ERROR = 9           # reply: meta: kind, message
+    """What a message is; SCHEMA says who sends it and what its meta holds."""
+    # control: nodes <-> scheduler, and the replies
+    REGISTER = 1
+    MEMBERSHIP = 2
+    BARRIER = 3
+    HEARTBEAT = 4
+    FINALIZE = 5
+    SHUTDOWN = 6
+    NODE_FAILED = 7
+    ACK = 8
+    ERROR = 9
+    NODE_LEFT = 10
     # data: worker -> server
-    INIT = 20           # rank 0 sends payloads; other ranks send shapes only
+    INIT = 20
     PUSH = 21
     PULL = 22
     PUSHPULL = 23
-    ROW_SPARSE_PULL = 24  # payload per entry: int64 row ids local to the part
-    SET_OPTIMIZER = 25  # meta: name, params, generation
-    VALUE = 26          # reply carrying payloads
-    STATS = 27          # reply meta: server counters
-    JOIN = 28           # worker -> server: this worker has no more data; count it as pushing zeros
+    ROW_SPARSE_PULL = 24
+    SET_OPTIMIZER = 25
+    VALUE = 26
+    STATS = 27
+    JOIN = 28
+    ROW_SPARSE_PUSH = 29
     # data: worker -> worker
-    RING = 40           # one chunk of a ring all-reduce step; meta: collective id, step, phase
+    RING = 40
 
 
-CONTROL_OPS = frozenset({Op.REGISTER, Op.MEMBERSHIP, Op.BARRIER, Op.HEARTBEAT, Op.FINALIZE,
-                         Op.SHUTDOWN, Op.NODE_FAILED, Op.ACK, Op.ERROR})
-DATA_OPS = frozenset(set(Op) - CONTROL_OPS)
+# ---- meta types: msgpack-level, checked by exact Python type (a bool is not an int) ----
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scalar:
+    name: str
+    types: tuple
+
+    def accepts(self, value):
+        return type(value) in self.types
+
+    def __str__(self):
+        return self.name
 
 
+INT = Scalar("int", (int,))
+FLOAT = Scalar("float", (float,))
+STR = Scalar("str", (str,))
+SCALAR = Scalar("scalar", (type(None), bool, int, float, str))     # nil, bool, int, float or str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListOf:
+    item: object
+
+    def accepts(self, value):
+        if type(value) is not list:
+            return False
+        ok = self.item.accepts
+        return all(ok(item) for item in value)
+
+    def __str__(self):
+        return f"list of {self.item}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MapOf:
+    """A map with str keys and values of one type."""
+    value: object
+
+    def accepts(self, value):
+        if type(value) is not dict:
+            return False
+        ok = self.value.accepts
+        return all(type(key) is str and ok(item) for key, item in value.items())
+
+    def __str__(self):
+        return f"map of str -> {self.value}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tuple:
+    """A list of fixed length whose items have the given types, e.g. [host, port, pid]."""
+    items: tuple
+
+    def accepts(self, value):
+        return (type(value) is list and len(value) == len(self.items)
+                and all(kind.accepts(item) for kind, item in zip(self.items, value)))
+
+    def __str__(self):
+        return "[" + ", ".join(map(str, self.items)) + "]"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """A map with named fields (a schema inside a field); unknown fields are refused."""
+    fields: dict        # name -> Field
+
+    def accepts(self, value):
+        if type(value) is not dict:
+            return False
+        fields = self.fields
+        for name, item in value.items():
+            field = fields.get(name)
+            if field is None or not field.type.accepts(item):
+                return False
+        for name, field in fields.items():
+            if field.required and name not in value:
+                return False
+        return True
+
+    def __str__(self):
+        return "map {" + ", ".join(f"{name}{'' if field.required else '?'}: {field.type}"
+                                   for name, field in self.fields.items()) + "}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    type: object        # one of the types above
+    meaning: str
+    required: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    route: str          # who sends it to whom
+    meaning: str
+    meta: dict = dataclasses.field(default_factory=dict)     # field name -> Field
+
+
+# ---- the schema: one per op ----
+_ADDRESSES = ListOf(Tuple((STR, INT, INT)))
+_CODEC = Field(Record({"type": Field(STR, "2bit, 1bit, fp16, bf16 or topk (kvps.ps.compression)"),
+                       "threshold": Field(FLOAT, "2bit and 1bit: the quantisation threshold", required=False),
+                       "ratio": Field(FLOAT, "topk: the share of the elements sent", required=False)}),
+               "the compression every float32 entry's payload is in (absent: none)", required=False)
+
+SCHEMA = {
+    Op.REGISTER: Message("node -> H", "join the job; answered with MEMBERSHIP once every node has registered", {
+        "role": Field(STR, "server or worker"),
+        "host": Field(STR, "the address peers reach this node at"),
+        "port": Field(INT, "the port of this node's ROUTER (0: it binds none)"),
+        "pid": Field(INT, "the node's process id (named in messages)"),
+        "rank": Field(INT, "the rank it asks for (-1 or absent: any)", required=False),
+        "mode": Field(STR, "workers: the kvstore's consistency as a wire string (sync, sync:backup=1, async, "
+                           "ssp:4, allreduce); the workers of a job must agree", required=False),
+    }),
+    Op.MEMBERSHIP: Message("H -> node", "reply to REGISTER: the job's table", {
+        "rank": Field(INT, "the rank the receiver got"),
+        "servers": Field(_ADDRESSES, "[host, port, pid] of every server, by rank"),
+        "workers": Field(_ADDRESSES, "[host, port, pid] of every worker, by rank"),
+        "mode": Field(STR, "the workers' mode, as they registered it"),
+    }),
+    Op.BARRIER: Message("node -> H", "wait for a group; answered with ACK once every live member has arrived", {
+        "group": Field(STR, "workers, servers or all"),
+    }),
+    Op.HEARTBEAT: Message("node -> H", "still alive; answered with ACK, which is the scheduler's heartbeat"),
+    Op.FINALIZE: Message("worker -> H", "this worker is done; answered with ACK, the others get NODE_LEFT"),
+    Op.SHUTDOWN: Message("H -> server", "every worker has finished or died: exit now"),
+    Op.NODE_FAILED: Message("H -> all", "a node died: every call that waits on it fails with NodeFailure", {
+        "node": Field(STR, "the dead node's name (H, S1, W0, ...)"),
+        "reason": Field(STR, "why it is deemed dead"),
+    }),
+    Op.ACK: Message("reply", "done", {
+        "last": Field(STR, "barrier replies: the node that arrived last", required=False),
+    }),
+    Op.ERROR: Message("reply", "the request failed; the receiver raises the kind's exception with the message", {
+        "kind": Field(STR, "value, key, protocol, node or error (kvps.errors.REMOTE_KINDS)"),
+        "message": Field(STR, "what was wrong, naming the bad value"),
+    }),
+    Op.NODE_LEFT: Message("H -> all", "a worker left on purpose (FINALIZE); not a failure", {
+        "node": Field(STR, "the name of the worker that left"),
+        "reason": Field(STR, "what it did (it closed its kvstore)"),
+    }),
+    Op.INIT: Message("worker -> server", "declare keys: rank 0's entries carry the initial values, the other "
+                                         "ranks' the shapes only; answered with ACK"),
+    Op.PUSH: Message("worker -> server", "add the entries' payloads into their keys; answered with ACK",
+                     {"codec": _CODEC}),
+    Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE"),
+    Op.PUSHPULL: Message("worker -> server", "PUSH, then PULL of the same entries; answered with VALUE",
+                         {"codec": _CODEC}),
+    Op.ROW_SPARSE_PULL: Message("worker -> server", "read some rows: each entry's payload holds int64 row ids "
+                                                    "local to its part; answered with VALUE"),
+    Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
+        "generation": Field(INT, "how many optimizers the worker has set; servers keep the newest"),
+        "spec": Field(Record({"name": Field(STR, "the rule's name in the server's registry"),
+                              "params": Field(MapOf(SCALAR), "the rule's parameters")}),
+                      "the optimizer (kvps.optimizer; no code travels)"),
+    }),
+    Op.VALUE: Message("server -> worker", "reply carrying the values asked for, a payload per non-empty entry"),
+    Op.STATS: Message("worker -> server", "ask for the server's counters; the reply (STATS too) has these fields", {
+        "pushes": Field(INT, "entries pushed", required=False),
+        "pulls": Field(INT, "entries pulled", required=False),
+        "rounds": Field(INT, "sync rounds closed", required=False),
+        "updates": Field(INT, "optimizer updates applied", required=False),
+        "decoded": Field(INT, "compressed entries decoded", required=False),
+        "bytes_in": Field(INT, "payload bytes pushed", required=False),
+        "bytes_out": Field(INT, "payload bytes sent in replies", required=False),
+        "joins": Field(INT, "JOINs received", required=False),
+        "last_joined": Field(INT, "the rank that joined last when every worker had joined (-1: not yet)",
+                             required=False),
+        "dropped": Field(INT, "stale pushes dropped (sync with backup workers)", required=False),
+        "ssp_waits": Field(INT, "ssp pulls that waited for a slower worker", required=False),
+        "staleness": Field(ListOf(INT), "histogram: index i counts the pushes applied i updates after their "
+                                        "worker last pulled the key", required=False),
+        "kernels": Field(MapOf(INT), "calls per kernel operation on the active backend", required=False),
+        "backend": Field(STR, "the kernel backend (c, numba or numpy)", required=False),
+        "keys": Field(INT, "the (key, part) slots the server holds", required=False),
+        "mode": Field(STR, "the consistency mode as a wire string", required=False),
+    }),
+    Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
+    Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "
+                                                    "part, then those rows; answered with ACK"),
+    Op.RING: Message("worker -> worker", "one chunk of a ring all-reduce step, sent to the right neighbour", {
+        "seq": Field(INT, "the collective's number (every worker runs them in the same order)"),
+        "n": Field(INT, "the collective's buffer size in elements"),
+        "phase": Field(STR, "rs (reduce-scatter) or ag (all-gather)"),
+        "step": Field(INT, "the step within the phase"),
+        "chunk": Field(INT, "the chunk's index within its segment"),
+        "epoch": Field(INT, "joins the sender has completed (a collective of a later epoch waits)"),
+    }),
+}
+
+# per op: ({field name: its type's accepts}, required names); a KeyError here: an Op without a schema
+_META = {op: ({name: field.type.accepts for name, field in SCHEMA[op].meta.items()},
+              tuple(name for name, field in SCHEMA[op].meta.items() if field.required)) for op in Op}
+
+
+def schema_markdown():
+    """SCHEMA as markdown: the dtype codes, a table of the ops, then each op's meta fields
+    (docs/wire.md holds it)."""
+    lines = ["dtype codes: " + ", ".join(f"{int(d)} {BY_CODE[d]}" for d in DType) + ".", "",
+             "| op | code | from -> to | meaning |", "|---|---|---|---|"]
+    lines += [f"| [`{op.name}`](#{op.name.lower()}) | {int(op)} | {SCHEMA[op].route} | {SCHEMA[op].meaning} |"
+              for op in Op]
+    for op in Op:
+        message = SCHEMA[op]
+        lines += ["", f"### {op.name}", "", f"{message.route}, code {int(op)}: {message.meaning}.", ""]
+        if not message.meta:
+            lines.append("meta: empty.")
+            continue
+        lines += ["| field | type | required | meaning |", "|---|---|---|---|"]
+        for name, field in _flat(message.meta):
+            kind = "map" if isinstance(field.type, Record) else field.type
+            lines.append(f"| `{name}` | {kind} | {'yes' if field.required else 'no'} | {field.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def _flat(fields, prefix=""):
+    for name, field in fields.items():
+        yield prefix + name, field
+        if isinstance(field.type, Record):
+            yield from _flat(field.type.fields, f"{prefix}{name}.")
+
+
+# ---- header ----
 class Entry(tuple):
     """One key (or part of a split key) in a message: (key, part, dtype, shape, nbytes)."""
     __slots__ = ()
@@ -86,10 +315,13 @@ class Entry(tuple):
 
 
 _FIELDS = ("v", "op", "id", "src", "keys", "meta")
-
-
 _OPS = Op._value2member_map_
-_DTYPES = DType._value2member_map_
+
+# Error texts quote what came in through this: short, and never deeper than a few levels.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+_show = _REPR.repr
 
 
 class Header:
@@ -107,9 +339,6 @@ class Header:
         return msgpack.packb({"v": VERSION, "op": int(self.op), "id": self.id, "src": self.src,
                               "keys": [[e[0], e[1], int(e[2]), list(e[3]), e[4]] for e in self.keys],
                               "meta": self.meta}, use_bin_type=True)
-
-    def payload_count(self):
-        return sum(1 for e in self.keys if e.nbytes > 0)
 
     def __repr__(self):
         nbytes = sum(e.nbytes for e in self.keys)
@@ -130,45 +359,67 @@ def decode(frame):
         raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=1 << 20,
                               max_str_len=1 << 20, max_array_len=1 << 24, max_map_len=1 << 16)
     except Exception as exc:  # msgpack raises several types for garbage
-        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {exc})") from None
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not (type(raw) is dict):
         raise ProtocolError(f"header is a {type(raw).__name__}, not a map")
     version = raw.get("v")
-    if version != VERSION:
-        raise VersionMismatch(f"peer speaks kvps protocol version {version!r}, this node speaks {VERSION}")
+    if not (type(version) is int and version == VERSION):
+        raise VersionMismatch(f"peer speaks kvps protocol version {_show(version)}, this node speaks {VERSION}")
     try:
         op, request_id, src, keys, meta = raw["op"], raw["id"], raw["src"], raw["keys"], raw["meta"]
     except KeyError:
         op = None
     if not (op is not None and len(raw) == len(_FIELDS)):
-        raise ProtocolError(f"header fields {sorted(map(str, raw))} are not {list(_FIELDS)}")
+        raise ProtocolError(f"header fields {_show(sorted(map(str, raw)))} are not {list(_FIELDS)}")
     if not (type(op) is int and op in _OPS):
-        raise ProtocolError(f"unknown op {op!r}")
+        raise ProtocolError(f"unknown op {_show(op)}")
     if not (type(request_id) is int):
-        raise ProtocolError(f"id {request_id!r} is not an int")
+        raise ProtocolError(f"id {_show(request_id)} is not an int")
     if not (type(src) is str):
-        raise ProtocolError(f"src {src!r} is not a str")
+        raise ProtocolError(f"src {_show(src)} is not a str")
     if not (type(meta) is dict):
         raise ProtocolError(f"meta is a {type(meta).__name__}, not a map")
     if not (type(keys) is list):
-        raise ProtocolError("keys is not a list")
-    return Header(_OPS[op], request_id, src, [_entry(e) for e in keys], meta)
+        raise ProtocolError(f"keys is a {type(keys).__name__}, not a list")
+    op = _OPS[op]
+    checks, required = _META[op]
+    if meta or required:
+        _check_meta(op, meta, checks, required)
+    return Header(op, request_id, src, [_entry(e) for e in keys], meta)
+
+
+def _check_meta(op, meta, checks, required):
+    for name, value in meta.items():
+        accepts = checks.get(name)
+        if accepts is None or not accepts(value):
+            _refuse_meta(op, name, value)
+    for name in required:
+        if name not in meta:
+            raise ProtocolError(f"{op.name} meta lacks the required field {name!r} ({SCHEMA[op].meta[name].type})")
+
+
+def _refuse_meta(op, name, value):
+    fields = SCHEMA[op].meta
+    if name not in fields:
+        takes = f"takes {', '.join(fields)}" if fields else "takes no meta"
+        raise ProtocolError(f"{op.name} meta has an unknown field {_show(name)} ({op.name} {takes})")
+    raise ProtocolError(f"{op.name} meta field {name!r} is {_show(value)}, expected {fields[name].type}")
 
 
 def _entry(e):
     if not (type(e) is list and len(e) == 5):
-        raise ProtocolError(f"entry {e!r} is not [key, part, dtype, shape, nbytes]")
+        raise ProtocolError(f"entry {_show(e)} is not [key, part, dtype, shape, nbytes]")
     key, part, dtype, shape, nbytes = e
     if not (type(key) is int or type(key) is str):
-        raise ProtocolError(f"key {key!r} is not an int or str")
+        raise ProtocolError(f"key {_show(key)} is not an int or str")
     if not (type(part) is int and part >= 0):
-        raise ProtocolError(f"part {part!r} of key {key!r} is not a part index")
+        raise ProtocolError(f"part {_show(part)} of key {_show(key)} is not a part index")
     if not (type(dtype) is int and 0 <= dtype < len(BY_CODE)):
-        raise ProtocolError(f"dtype {dtype!r} of key {key!r} is unknown")
+        raise ProtocolError(f"dtype {_show(dtype)} of key {_show(key)} is unknown")
     if not (type(shape) is list and all(type(d) is int and d >= 0 for d in shape)):
-        raise ProtocolError(f"shape {shape!r} of key {key!r} is not a list of sizes")
+        raise ProtocolError(f"shape {_show(shape)} of key {_show(key)} is not a list of sizes")
     if not (type(nbytes) is int and nbytes >= 0):
-        raise ProtocolError(f"nbytes {nbytes!r} of key {key!r} is not a size")
+        raise ProtocolError(f"nbytes {_show(nbytes)} of key {_show(key)} is not a size")
     return tuple.__new__(Entry, (key, part, dtype, tuple(shape), nbytes))
 
 
@@ -186,14 +437,15 @@ def unpack(frames):
     for entry, frame in zip(carrying, payloads):
         got = len(frame)
         if not (got == entry.nbytes):
-            raise ProtocolError(f"payload of key {entry.key!r} part {entry.part} has {got} bytes, "
-                                          f"header says {entry.nbytes}")
+            raise ProtocolError(f"payload of key {_show(entry.key)} part {entry.part} has {got} bytes, "
+                                f"header says {entry.nbytes}")
         count = 1
         for d in entry.shape:
             count *= d
         if not (count * BY_CODE[entry.dtype].itemsize == entry.nbytes):
-            raise ProtocolError(f"payload of key {entry.key!r} part {entry.part} has {entry.nbytes} bytes, "
-                     f"but {BY_CODE[entry.dtype]} {entry.shape} needs {count * BY_CODE[entry.dtype].itemsize}")
+            raise ProtocolError(f"payload of key {_show(entry.key)} part {entry.part} has {entry.nbytes} bytes, "
+                                f"but {BY_CODE[entry.dtype]} {_show(entry.shape)} needs "
+                                f"{count * BY_CODE[entry.dtype].itemsize}")
     return header, payloads
 
 

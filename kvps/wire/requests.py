@@ -150,14 +150,8 @@ class Requests:
                 self.failure = exc
         self.fail(exc)
 
-    def pending_peers(self):
-        with self._lock:
-            return sorted({p for _, p, _ in self._pending.values()})
-
 
 def node_failure(meta):
     """The NodeFailure for a NODE_FAILED message."""
     node, reason = meta.get("node", "?"), meta.get("reason", "")
-    if meta.get("left"):
-        return NodeFailure(f"{node} has left the job ({reason})")
     return NodeFailure(f"node {node} failed: {reason}")

@@ -9,18 +9,25 @@ came in on the ROUTER, answered with an ERROR naming the problem.
 
 Payload frames are sent without copying (pyzmq copies frames under its copy
 threshold anyway) and received as zmq.Frame objects whose buffers numpy views
-can wrap without copying.
+can wrap without copying. `send(..., on_sent=fn)` reports when zmq has let go of
+the payloads (the caller may then change them); a DEALER to a dead peer holds its
+messages forever, so `disconnect(peer)` drops them, and that counts as let go.
+
+Stopping is safe from any thread, a signal handler included, any number of
+times: after stop(), `send` and `connect` from other threads raise KVPSError
+naming the node, and `reply` is dropped (its client is being abandoned anyway).
 """
 import collections
 import logging
 import os
 import threading
 import time
+import weakref
 
 import zmq
 
 from kvps.wire import protocol
-from kvps.errors import ProtocolError, describe
+from kvps.errors import KVPSError, ProtocolError, describe
 
 log = logging.getLogger("kvps.transport")
 
@@ -59,6 +66,12 @@ class Van:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._thread = None
         self._running = False
+        # Queueing and waking vs. closing the wake pipe: a write to a closed (or reused) descriptor
+        # is the bug this prevents. Re-entrant, so a signal handler that interrupts a submit on the
+        # main thread can still stop() (which must not wait then: see there).
+        self._lock = threading.RLock()
+        self._stopping = False          # stop() was called: other threads may queue no more
+        self._closed = False            # sockets and wake pipe are closed
         self.port = None
 
     # ---- setup (call before start, or from the I/O thread) ----
@@ -83,18 +96,37 @@ class Van:
         self._timers.append([time.monotonic() + interval, interval, fn])
 
     def start(self):
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name=f"kvps-io-{self.name}", daemon=True)
-        self._thread.start()
+        """Start the I/O thread. Raises KVPSError once stopped (a Van runs once)."""
+        with self._lock:
+            if self._stopping or self._thread is not None:
+                raise KVPSError(f"{self.name}: the transport was already started or stopped; a Van runs once")
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name=f"kvps-io-{self.name}", daemon=True)
+            self._thread.start()
 
     # ---- thread-safe API ----
     def connect(self, peer, host, port):
-        """Open a DEALER to a peer (done on the I/O thread)."""
-        self._submit(("connect", peer, (host, port)))
+        """Open a DEALER to a peer (done on the I/O thread). Raises KVPSError once stopped."""
+        self._submit(("connect", peer, (host, port)), f"connecting to {peer}")
 
-    def send(self, peer, header, payloads=()):
-        """Send a message to a connected peer over its DEALER."""
-        self._submit(("send", peer, [header.encode(), *payloads]))
+    def disconnect(self, peer):
+        """Close the DEALER to a peer, dropping what is queued to it (a dead peer never takes it)."""
+        self._submit(("disconnect", peer), None)
+
+    def send(self, peer, header, payloads=(), on_sent=None):
+        """Send a message to a connected peer over its DEALER. Raises KVPSError once stopped.
+
+        on_sent() is called once zmq no longer reads any of the payloads, whether they were sent,
+        dropped (no connection, disconnect, stop) or copied; the caller may change them from then
+        on. It runs on the I/O thread or on pyzmq's garbage-collector thread: keep it short."""
+        frames = [header.encode(), *payloads]
+        done = None if on_sent is None else _watch(frames, on_sent)
+        try:
+            self._submit(("send", peer, frames, done), f"{header.op.name} to {peer}")
+        except KVPSError:
+            if done is not None:
+                done()
+            raise
 
     def reply(self, routing_id, header, payloads=(), on_tracker=None):
         """Send a message back to a client of the ROUTER.
@@ -102,25 +134,49 @@ class Van:
         on_tracker(tracker) is called (on the I/O thread) when a payload is big
         enough to be sent without copying, with a zmq MessageTracker for it.
         """
-        self._submit(("reply", routing_id, [header.encode(), *payloads], on_tracker))
+        self._submit(("reply", routing_id, [header.encode(), *payloads], on_tracker), None)
 
     def stop(self, timeout=5.0):
-        """Stop the I/O thread (after it sends what is queued) and close the sockets."""
-        if self._thread is None:
-            return
-        self._submit(("stop",))
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        self._thread = None
+        """Stop the I/O thread (after it hands zmq what is queued) and close the sockets.
 
-    def on_io_thread(self):
-        return threading.current_thread() is self._thread
+        Safe from any thread and from a signal handler, before start(), twice, and while the I/O
+        thread is exiting; waits up to `timeout` s for the I/O thread, except on the I/O thread
+        and in a signal handler that interrupted this thread inside the lock, which the I/O thread
+        needs to finish (it ends as soon as the interrupted call goes on)."""
+        # RLock._is_owned is what threading.Condition relies on too: true only inside our own section.
+        interrupted = self._lock._is_owned()
+        with self._lock:
+            first, self._stopping = not self._stopping, True
+            thread = self._thread
+            if thread is None:                  # never started: nothing else owns the sockets
+                if first:
+                    self._close()
+                return
+            if first and not self._closed:
+                self._queue.append(("stop",))
+                self._wake()
+        if threading.current_thread() is not thread and not interrupted:
+            thread.join(timeout)
 
     # ---- I/O thread ----
-    def _submit(self, item):
-        self._queue.append(item)
-        if threading.current_thread() is self._thread:
-            return      # the I/O thread flushes its queue before it polls again
+    def _submit(self, item, what):
+        """Queue work for the I/O thread. After stop(), an item from another thread raises KVPSError
+        naming `what`, or is dropped when `what` is None; the I/O thread itself queues until it ends
+        (what it queues while stopping, such as replies and heartbeats, is flushed or dropped)."""
+        on_io = threading.current_thread() is self._thread
+        with self._lock:
+            if self._closed or (self._stopping and not on_io):
+                if what is None:
+                    log.debug("%s: stopped; %s dropped", self.name, item[0])
+                    return
+                raise KVPSError(f"{self.name}: the transport is stopped (the node has left the job or "
+                                f"shut down); {what} not sent")
+            self._queue.append(item)
+            if not on_io:       # the I/O thread flushes its queue before it polls again
+                self._wake()
+
+    def _wake(self):
+        """Wake the I/O thread (call with self._lock held, before the pipe is closed)."""
         if not self._woken:
             self._woken = True
             try:
@@ -168,17 +224,28 @@ class Van:
             item = self._queue.popleft()
             kind = item[0]
             if kind == "send":
-                sock = self._dealers.get(item[1])
-                if sock is None:
-                    log.error("%s: no connection to %s; message dropped", self.name, item[1])
-                    continue
-                _send(sock, item[2])
+                self._send_now(*item[1:])
             elif kind == "reply":
                 self._reply_now(*item[1:])
             elif kind == "connect":
                 self._connect_now(item[1], *item[2])
+            elif kind == "disconnect":
+                self._disconnect_now(item[1])
             elif kind == "stop":
                 self._running = False
+            del item, kind      # payloads die here, not at the next message (see _watch)
+
+    def _send_now(self, peer, frames, done):
+        sock = self._dealers.get(peer)
+        if sock is None:
+            log.error("%s: no connection to %s; message dropped", self.name, peer)
+        else:
+            try:
+                _send(sock, frames)
+            except zmq.ZMQError as exc:
+                log.error("%s: sending to %s failed (%s); message dropped", self.name, peer, exc)
+        if done is not None:
+            done()      # our hold on the payloads; zmq's ends as it lets go of them (see _watch)
 
     def _reply_now(self, routing_id, frames, on_tracker):
         if self._router is None:
@@ -194,12 +261,15 @@ class Van:
         except zmq.ZMQError as exc:
             log.warning("%s: reply to a client that went away dropped (%s)", self.name, exc)
 
-    def _connect_now(self, peer, host, port):
+    def _disconnect_now(self, peer):
         old = self._dealers.pop(peer, None)
         if old is not None:
             self._poller.unregister(old)
             self._peer_of.pop(old, None)
-            old.close(0)
+            old.close(0)        # LINGER 0: zmq drops (and so lets go of) what was queued to the peer
+
+    def _connect_now(self, peer, host, port):
+        self._disconnect_now(peer)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -244,12 +314,47 @@ class Van:
             self._on_bad(source, exc)
 
     def _close(self):
+        """Close everything (on the I/O thread as it ends, or in stop() if it never started)."""
+        with self._lock:                # no submit is between its check and its wake-up write now
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        for item in dropped:
+            if item[0] == "send" and item[3] is not None:
+                item[3]()
+        if dropped:
+            log.debug("%s: %d queued items dropped at close", self.name, len(dropped))
+        dropped = item = None       # dropped payloads die here: their on_sent runs
         for sock in list(self._dealers.values()) + ([self._router] if self._router is not None else []):
             sock.close(0)
         self._dealers.clear()
+        self._peer_of.clear()
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+
+
+def _watch(frames, on_sent):
+    """Arrange for on_sent() once zmq lets go of every payload in `frames` (in place); returns the
+    sender's own hold, which the I/O thread releases once it has handed the message to zmq.
+
+    Each big payload is replaced by a memoryview of it that only zmq's zero-copy machinery ever
+    references (pyzmq's garbage collector drops it when libzmq frees the message), so the view dies
+    exactly when zmq is done with the memory, sent or dropped; small ones are copied at send."""
+    holds, lock = [1], threading.Lock()
+
+    def release():
+        with lock:
+            holds[0] -= 1
+            last = holds[0] == 0
+        if last:
+            on_sent()
+    for i in range(1, len(frames)):
+        if not isinstance(frames[i], bytes) and memoryview(frames[i]).nbytes >= COPY_BYTES:
+            frames[i] = view = memoryview(frames[i])
+            holds[0] += 1
+            weakref.finalize(view, release).atexit = False
+    return release
 
 
 def _send(sock, frames):

@@ -17,9 +17,9 @@ from kvps.wire.protocol import DType, Entry, Header, Op
 # ---- protocol ----
 def test_header_round_trip():
     h = Header(Op.PUSH, 17, "W1", [Entry("fc1.weight", 1, DType.FLOAT16, (3, 4), 24), Entry(5, 0, DType.INT64, (), 8)],
-               {"x": 1})
+               {"codec": {"type": "topk", "ratio": 0.5}})
     back = protocol.decode(h.encode())
-    assert (back.op, back.id, back.src, back.meta) == (Op.PUSH, 17, "W1", {"x": 1})
+    assert (back.op, back.id, back.src, back.meta) == (Op.PUSH, 17, "W1", {"codec": {"type": "topk", "ratio": 0.5}})
     assert back.keys == [("fc1.weight", 1, DType.FLOAT16, (3, 4), 24), (5, 0, DType.INT64, (), 8)]
     assert repr(back) == "W1 PUSH id=17 keys=2 32B"
 

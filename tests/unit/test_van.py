@@ -1,0 +1,193 @@
+"""The transport (kvps.wire.transport.Van) in one process, over 127.0.0.1: stop() is safe however
+and whenever it is called (it once wrote to its closed wake pipe: EBADF in ./run demo), sends after
+it fail clearly, and on_sent reports when zmq lets go of a payload, a dead peer's included."""
+
+import itertools
+import signal
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvps.errors import KVPSError
+from kvps.wire.protocol import Entry, Header, Op
+from kvps.wire.transport import Van
+
+
+def ping():
+    return Header(Op.HEARTBEAT, 0, "T")
+
+
+def data(nbytes):
+    """(header, [payload]) of a message carrying `nbytes` of uint8."""
+    array = np.ones(nbytes, np.uint8)
+    meta = {"seq": 0, "n": nbytes, "phase": "rs", "step": 0, "chunk": 0, "epoch": 0}
+    return Header(Op.RING, 0, "T", [Entry.of(0, 0, array)], meta), [array]
+
+
+@pytest.fixture
+def escaped():
+    """Exceptions that escape any thread during the test (the I/O thread's included)."""
+    caught, old = [], threading.excepthook
+    threading.excepthook = lambda args: caught.append(args.exc_value)
+    yield caught
+    threading.excepthook = old
+
+
+@pytest.fixture
+def sink():
+    """A started Van that counts what it receives; yields (port, received list)."""
+    got = []
+    van = Van("sink", lambda source, header, payloads: got.append(header.op))
+    port = van.bind("127.0.0.1")
+    van.start()
+    yield port, got
+    van.stop()
+
+
+def unused_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_start_stop_cycles_with_concurrent_submits_raise_nothing_unexpected(sink, escaped):
+    port, _ = sink
+    current, unexpected, done = [None], [], threading.Event()
+
+    def submit():                        # sends, replies and connects at whatever van is current
+        big, small = data(1 << 17), data(100)
+        for i in itertools.count():
+            van = current[0]
+            if done.is_set():
+                return
+            if van is None:
+                time.sleep(0)            # let the main thread make the next one
+                continue
+            try:
+                van.send("P", *(big if i % 16 == 0 else small), on_sent=lambda: None)
+                van.reply(b"\0gone", ping())
+                if i % 64 == 0:
+                    van.connect("Q", "127.0.0.1", port)
+            except KVPSError as exc:
+                if "stopped" not in str(exc):
+                    unexpected.append(exc)
+            except Exception as exc:     # an OSError here is the bug
+                unexpected.append(exc)
+    submitter = threading.Thread(target=submit)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)          # a thread that never blocks would hold the GIL 5 ms at a time
+    submitter.start()
+    started = time.monotonic()
+    try:
+        for i in range(200):
+            van = Van(f"V{i}", lambda *a: None)
+            van.bind("127.0.0.1")
+            van.connect("P", "127.0.0.1", port)
+            van.start()
+            current[0] = van
+            time.sleep(0.0005 * (i % 3))
+            if i % 4 == 1:               # stop from another thread, racing this one
+                other = threading.Thread(target=van.stop)
+                other.start()
+                van.stop()
+                other.join(10)
+            else:
+                van.stop()
+            van.stop()                   # twice is fine
+            current[0] = None
+    finally:
+        done.set()
+        submitter.join(10)
+        sys.setswitchinterval(switch)
+    assert not unexpected, unexpected[:3]
+    assert not escaped, escaped[:3]
+    assert time.monotonic() - started < 20
+
+
+def test_stop_before_start_twice_and_start_after_stop():
+    van = Van("V", lambda *a: None)
+    van.bind("127.0.0.1")
+    van.connect("P", "127.0.0.1", unused_port())      # queued, never flushed: dropped at stop
+    van.stop()
+    van.stop()
+    with pytest.raises(KVPSError, match="V: the transport was already started or stopped"):
+        van.start()
+
+
+def test_after_stop_sends_raise_naming_the_node_and_replies_are_dropped(sink):
+    van = Van("W3", lambda *a: None)
+    van.connect("P", "127.0.0.1", sink[0])
+    van.start()
+    van.stop()
+    with pytest.raises(KVPSError, match=r"W3: the transport is stopped .*HEARTBEAT to P not sent"):
+        van.send("P", ping())
+    with pytest.raises(KVPSError, match="W3: the transport is stopped .*connecting to Q"):
+        van.connect("Q", "127.0.0.1", sink[0])
+    sent = threading.Event()
+    with pytest.raises(KVPSError):
+        van.send("P", *data(1 << 20), on_sent=sent.set)
+    assert sent.is_set()                                # refused: zmq never held it
+    van.reply(b"\0client", ping())                      # dropped quietly
+    van.disconnect("P")
+
+
+def test_stop_with_frames_queued_hands_them_over(sink):
+    port, got = sink
+    van = Van("V", lambda *a: None)
+    van.connect("P", "127.0.0.1", port)
+    van.start()
+    for _ in range(50):
+        van.send("P", *data(100))
+    deadline = time.monotonic() + 10
+    while len(got) < 50 and time.monotonic() < deadline:   # before stop: LINGER 0 drops the rest
+        time.sleep(0.01)
+    van.send("P", *data(1 << 20))
+    van.stop()
+    assert len(got) >= 50
+
+
+def test_stop_from_a_signal_handler_while_the_main_thread_submits(sink, escaped):
+    van = Van("V", lambda *a: None)
+    van.connect("P", "127.0.0.1", sink[0])
+    van.start()
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: van.stop())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        started = time.monotonic()
+        with pytest.raises(KVPSError, match="stopped"):
+            while time.monotonic() < started + 10:
+                van.send("P", ping())
+        # the handler may have interrupted a send inside the van's lock: it must not wait on it
+        assert time.monotonic() - started < 3
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    van.stop()
+    assert not escaped
+
+
+def test_on_sent_waits_for_zmq_and_a_dead_peer_is_let_go_by_disconnect_or_stop(sink):
+    van = Van("V", lambda *a: None)
+    van.connect("live", "127.0.0.1", sink[0])
+    van.connect("dead", "127.0.0.1", unused_port())
+    van.connect("dead2", "127.0.0.1", unused_port())
+    van.start()
+    try:
+        small, big, stuck, stuck2 = (threading.Event() for _ in range(4))
+        van.send("live", *data(5), on_sent=small.set)
+        van.send("live", *data(1 << 22), on_sent=big.set)
+        assert small.wait(10) and big.wait(10)
+        van.send("dead", *data(1 << 20), on_sent=stuck.set)
+        header, _ = data(1 << 20)
+        van.send("dead2", header, [memoryview(bytearray(1 << 20))], on_sent=stuck2.set)
+        assert not stuck.wait(0.3)        # zmq keeps it for a peer that never comes
+        van.disconnect("dead")
+        assert stuck.wait(10)
+        assert not stuck2.is_set()
+    finally:
+        van.stop()
+    assert stuck2.wait(10)                # stop closes the DEALER: zmq lets go of that one too
