@@ -228,6 +228,20 @@ class Server(Node):
         for i, (e, ids) in enumerate(entries):
             self.store.pull(worker, e.key, e.part, reply.callback(i), rows=ids)
 
+    def _row_sparse_push(self, routing_id, header, payloads, worker):
+        """Entries in pairs per (key, part): the local row ids (int64), then those rows."""
+        entries = self._arrays(header, payloads, need=True)
+        if len(entries) % 2:
+            raise ProtocolError(f"ROW_SPARSE_PUSH carries (row ids, rows) pairs of entries; got {len(entries)}")
+        pairs = list(zip(entries[0::2], entries[1::2]))
+        for (ids_entry, ids), (e, rows) in pairs:
+            if (ids_entry.key, ids_entry.part) != (e.key, e.part):
+                raise ProtocolError(f"ROW_SPARSE_PUSH pairs row ids of key {ids_entry.key!r} with rows of {e.key!r}")
+            self.store.check_sparse(self.store.slot(e.key, e.part), ids, rows)
+        reply = Reply(self, routing_id, header, len(pairs), values=False)
+        for i, ((_, ids), (e, rows)) in enumerate(pairs):
+            self.store.push(worker, e.key, e.part, rows, reply.callback(i), rows=ids)
+
     def _set_optimizer(self, routing_id, header, payloads, worker):
         generation, spec = header.meta.get("generation"), header.meta.get("spec")
         current, current_spec = self.optimizer
@@ -252,5 +266,6 @@ class Server(Node):
         self.van.reply(routing_id, Header(Op.STATS, header.id, self.name, meta=meta))
 
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,
-                 Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats,
+                 Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.ROW_SPARSE_PUSH: _row_sparse_push,
+                 Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats,
                  Op.JOIN: _join}

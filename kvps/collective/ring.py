@@ -8,7 +8,11 @@ receiving and summing overlap along the ring. Sums run through kvps.kernels.
 
 Every worker must make the same collective calls in the same order (as with Horovod and
 torch.distributed): collectives are numbered, and a worker waits for its neighbour's chunks
-of collective N, with a deadline (KVPS_TIMEOUT) and a NodeFailure when a peer dies.
+of collective N. Each wait is one wait, with the collective's deadline (KVPS_TIMEOUT), on a
+condition that every event able to end it notifies: a chunk from the left neighbour, zmq
+letting go of a chunk sent to the right one, the job breaking (the node's NodeFailure) and
+the ring closing. The ring reaches other workers only through its Worker node
+(kvps.wire.membership): send_to_peer, on_peer_message, add_failure_listener.
 The kvstore built on it is kvps.kvstore.allreduce.
 """
 import logging
@@ -16,20 +20,27 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
 from kvps import kernels
-from kvps.config import Config
 from kvps.errors import KVPSError, KVTimeoutError, ProtocolError
 from kvps.wire.protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.ring")
 
 OPS = ("sum", "average")
+PHASES = {"rs": "reduce-scatter", "ag": "all-gather"}
+
+
+class _Sent:
+    """A chunk on its way to the right neighbour; `done` once zmq no longer reads its memory."""
+    __slots__ = ("phase", "step", "chunk", "done")
+
+    def __init__(self, phase, step, chunk):
+        self.phase, self.step, self.chunk, self.done = phase, step, chunk, False
 
 
 class Ring:
-    """The ring collectives of one worker node."""
+    """The ring collectives of one worker node (a kvps.wire.membership.Worker)."""
 
     def __init__(self, node, cfg):
         self.node = node
@@ -38,13 +49,16 @@ class Ring:
         self.size = len(node.membership["workers"])
         self.right = f"W{(self.rank + 1) % self.size}"
         self.left = f"W{(self.rank - 1) % self.size}"
-        self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame, n)
-        self._cond = threading.Condition()
+        self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame, n, epoch)
+        self._cond = threading.Condition()   # notified by every event a wait can end on
+        self._ended = None                   # what ends every wait: the job's NodeFailure, or close()
         self._next = 0                       # number of the next collective
         self.epoch = 0                       # joins this worker has completed (see serve)
-        node.peer_handler = self._on_message
+        node.on_peer_message(self._on_message)
+        node.add_failure_listener(self._end)
 
-    def _on_message(self, header, payloads):          # I/O thread
+    # ---- events (I/O thread, zmq's threads, or a closing thread) ----
+    def _on_message(self, header, payloads):
         meta = header.meta
         try:
             slot = (meta["seq"], meta["phase"], meta["step"], meta["chunk"])
@@ -56,35 +70,70 @@ class Ring:
             self._inbox[slot] = (entry, frame, n, epoch)
             self._cond.notify_all()
 
-    def _send(self, seq, n, phase, step, chunk, piece):
-        """Send a chunk of the buffer without copying it; returns a tracker that is done once zmq has
-        let go of the memory (the chunk must not change before that), or None for an empty chunk."""
-        header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)],
-                        meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk,
-                              "epoch": self.epoch})
-        header.src = self.node.name
-        if not piece.nbytes:
-            self.node.van.send(self.right, header, [])
-            return None
-        frame = zmq.Frame(memoryview(piece.view(np.uint8)), copy=False, track=True)
-        self.node.van.send(self.right, header, [frame])
-        return frame.tracker
-
-    def _receive(self, slot, what, deadline):
+    def _sent(self, sent):
         with self._cond:
-            while slot not in self._inbox:
-                if self.node.failure is not None:
-                    raise self.node.failure
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise KVTimeoutError(f"{what}: no data from {self.left} ({slot[1]} step {slot[2]}, chunk "
-                                         f"{slot[3]}) within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
-                self._cond.wait(min(left, 0.25))
+            sent.done = True
+            self._cond.notify_all()
+
+    def _end(self, exc):
+        with self._cond:
+            if self._ended is None:
+                self._ended = exc
+            self._cond.notify_all()
+
+    def close(self):
+        """End the waits of a running collective with KVPSError; later collectives fail at once."""
+        self._end(KVPSError(f"{self.node.name}: the ring is closed (its kvstore was closed)"))
+
+    def wake(self):
+        """Have a waiting serve() look at its `done()` again (call once what it reads has changed)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- waits (the collective's thread) ----
+    def _wait(self, ready, deadline, waiting_for):
+        """With self._cond held, wait until ready(). Raises what ended the ring (NodeFailure, or
+        KVPSError once closed), or at the deadline KVTimeoutError naming waiting_for()."""
+        self._cond.wait_for(lambda: self._ended is not None or ready(), deadline - time.monotonic())
+        if ready():
+            return
+        if self._ended is not None:
+            raise self._ended
+        raise KVTimeoutError(f"{waiting_for()} within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
+
+    def _receive(self, seq, phase, step, chunk, what, deadline):
+        slot = (seq, phase, step, chunk)
+        with self._cond:
+            self._wait(lambda: slot in self._inbox, deadline,
+                       lambda: f"{what}: collective {seq}: no data from {self.left} for "
+                               f"{PHASES[phase]} step {step} chunk {chunk}")
             entry, frame, _, _ = self._inbox.pop(slot)
             return entry, frame
 
+    def _settle(self, sent, seq, what, deadline):
+        """Wait until zmq no longer reads a chunk sent earlier (before it changes, or the call ends)."""
+        if sent.done:
+            return
+        with self._cond:
+            self._wait(lambda: sent.done, deadline,
+                       lambda: f"{what}: collective {seq}: {self.node.name} had not finished sending "
+                               f"{PHASES[sent.phase]} step {sent.step} chunk {sent.chunk} to {self.right}")
+
+    def _send(self, seq, n, phase, step, chunk, piece):
+        """Send a chunk of the buffer without copying it; returns its _Sent, done once zmq has let go
+        of the memory (the chunk must not change before that)."""
+        header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)],
+                        meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk,
+                              "epoch": self.epoch})
+        sent = _Sent(phase, step, chunk)
+        self.node.send_to_peer(self.right, header, [piece.view(np.uint8)] if piece.nbytes else [],
+                               on_sent=lambda: self._sent(sent))
+        return sent
+
+    # ---- collectives ----
     def allreduce(self, flat, what, average=False):
-        """Sum (or average) a 1-D contiguous array over all workers, in place."""
+        """Sum (or average) a 1-D contiguous array over all workers, in place. Raises NodeFailure
+        when the job breaks, KVTimeoutError past KVPS_TIMEOUT, KVPSError once the ring is closed."""
         size, rank = self.size, self.rank
         if average and flat.dtype.kind in "iu":
             raise ValueError(f"{what}: cannot average {flat.dtype} values; use op='sum'")
@@ -95,63 +144,62 @@ class Ring:
 
     def serve(self, done, what):
         """Take part, with zeros, in the next collective the other workers start; returns False
-        (having served nothing) once `done()` is true. For a worker that has joined.
+        (having served nothing) once `done()` is true. For a worker that has joined; whatever
+        makes `done()` true must call wake() after.
 
         A collective started by a worker whose join has already ended (the last to join may be
         quicker to see the barrier end than we are) carries the next epoch: it is not ours to
         serve, so wait for the end of the join and leave it for the caller's next collective."""
         seq = self._next
         deadline = time.monotonic() + self.cfg.timeout
+
+        def started():
+            return next((v for k, v in self._inbox.items() if k[0] == seq and v[3] <= self.epoch), None)
         with self._cond:
-            while True:
-                found = next((v for k, v in self._inbox.items() if k[0] == seq), None)
-                if found is not None and found[3] <= self.epoch:
-                    break
-                if done():
-                    return False
-                if self.node.failure is not None:
-                    raise self.node.failure
-                if time.monotonic() > deadline:
-                    raise KVTimeoutError(f"{what}: neither a collective nor the end of the join "
-                                         f"within {self.cfg.timeout:g} s (KVPS_TIMEOUT)")
-                self._cond.wait(0.05)
+            self._wait(lambda: started() is not None or done(), deadline,
+                       lambda: f"{what}: neither collective {seq} from {self.left} nor the end of the join")
+            found = started()
+        if found is None:
+            return False
         entry, _, n, _ = found
         self._ring(np.zeros(n, numpy_dtype(entry.dtype)), what, self.size, self.rank)
         return True
 
     def _ring(self, flat, what, size, rank):
+        if self._ended is not None:
+            raise self._ended
         seq = self._next
         self._next += 1
+        try:
+            self._run(flat, what, size, rank, seq)
+        except (KVTimeoutError, ProtocolError) as exc:
+            # This worker's collectives are now out of step with the others': fail later ones at
+            # once with this error rather than have each wait out its deadline for nothing.
+            self._end(exc)
+            raise
+
+    def _run(self, flat, what, size, rank, seq):
         n = flat.size
         bounds = [n * i // size for i in range(size + 1)]
         step_elems = max(1, self.cfg.ring_chunk_bytes // flat.itemsize)
         deadline = time.monotonic() + self.cfg.timeout
         code = dtype_code(flat.dtype)
-        sending = {}                     # chunk start -> tracker of the send still reading it
+        sending = {}                     # chunk start -> _Sent of the send that may still read it
 
         def send(phase, step, c, a, b):
             sending[a] = self._send(seq, n, phase, step, c, flat[a:b])
 
         def settle(a):
-            tracker = sending.pop(a, None)
-            while tracker is not None and not tracker.done:
-                # a send to a dead neighbour never completes: watch for the failure meanwhile
-                if self.node.failure is not None:
-                    raise self.node.failure
-                if time.monotonic() > deadline:
-                    raise KVTimeoutError(f"{what}: a chunk sent to {self.right} was still unsent after "
-                                         f"{self.cfg.timeout:g} s (KVPS_TIMEOUT)")
-                try:
-                    tracker.wait(0.1)
-                except zmq.NotDone:
-                    pass
+            sent = sending.pop(a, None)
+            if sent is not None:
+                self._settle(sent, seq, what, deadline)
 
         def chunks(segment):
             lo, hi = bounds[segment], bounds[segment + 1]
             return [(c, a, min(a + step_elems, hi)) for c, a in enumerate(range(lo, hi, step_elems))]
 
         def take(phase, step, c, a, b):
-            entry, frame = self._receive((seq, phase, step, c), what, deadline)
+            entry, frame = self._receive(seq, phase, step, c, what, deadline)
             if entry.dtype != code or entry.shape != (b - a,):
                 raise ProtocolError(f"{what}: {self.left} sent {entry.shape} of dtype {entry.dtype} for "
                                     f"{phase} step {step} chunk {c}; expected ({b - a},) of {flat.dtype} "

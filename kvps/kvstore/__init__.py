@@ -11,6 +11,7 @@ from kvps.kvstore.base import KVStore
 from kvps.ps.consistency import Consistency
 
 # base type name -> implementation ("local", "allreduce") or the consistency mode of a dist kvstore
+# (type names are case-insensitive, as MXNet's are)
 TYPES = {
     "local": "local", "device": "local",
     "dist_sync": "sync", "dist": "sync", "dist_sync_device": "sync",
@@ -18,8 +19,16 @@ TYPES = {
     "dist_ssp": "ssp",
     "allreduce": "allreduce",
 }
+# MXNet's other type names -> the nearest kvps type (docs/mxnet.md): the device variants differ in
+# where MXNet reduces (GPU or CPU), which kvps's kernels choose for themselves.
+ALIASES = {
+    "dist_device_sync": "dist_sync", "dist_device_async": "dist_async",
+    "local_allreduce_cpu": "local", "local_allreduce_device": "local", "nccl": "local",
+    "horovod": "allreduce", "byteps": "dist_sync",
+}
 VALID = ("local, device, dist_sync, dist, dist_sync_device (each also as NAME:backup=B, B backup workers), "
-         "dist_async, dist_ssp:S (S the staleness bound: an int >= 0, or inf), allreduce")
+         "dist_async, dist_ssp:S (S the staleness bound: an int >= 0, or inf), allreduce; MXNet's "
+         + ", ".join(f"{a} ({t})" for a, t in ALIASES.items()))
 CONSISTENCY_OPTIONS = ("staleness", "backup_workers")
 
 
@@ -28,7 +37,8 @@ def create(name="local", **options):
     after a ':' ("dist_ssp:4", "dist_ssp:inf", "dist_sync:backup=1") or as keywords
     (staleness=4, backup_workers=1). Raises ValueError listing the valid types, or naming a bad option."""
     base, colon, suffix = name.partition(":") if isinstance(name, str) else (None, "", "")
-    kind = TYPES.get(base)
+    base = base and base.lower()
+    kind = TYPES.get(ALIASES.get(base, base))
     if kind is None or (colon and kind in ("local", "allreduce")):
         raise ValueError(f"unknown kvstore type {name!r}; valid types: {VALID}")
     if kind in ("local", "allreduce"):
@@ -47,4 +57,4 @@ def create(name="local", **options):
     return DistKVStore(name, consistency, **options)
 
 
-__all__ = ["KVStore", "create", "TYPES"]
+__all__ = ["KVStore", "create", "TYPES", "ALIASES"]

@@ -11,7 +11,8 @@ from kvps.collective.ring import OPS, Ring, fuse
 from kvps.config import Config
 from kvps.kvstore.base import KVStore
 from kvps.kvstore.engine import Engine
-from kvps.wire.membership import Worker
+from kvps.wire.membership import SCHEDULER, Worker
+from kvps.wire.protocol import Header, Op
 from kvps.wire.requests import remember
 
 
@@ -23,6 +24,7 @@ class RingKVStore(KVStore):
         super().__init__(name)
         from kvps.ps.rules import Registry
         self.cfg = config or Config.from_env()
+        self._claim_process()
         self._node = Worker(self.cfg, meta={"mode": "allreduce"})
         self._node.start()
         self._ring = Ring(self._node, self.cfg)
@@ -31,7 +33,13 @@ class RingKVStore(KVStore):
         self._buffers = {}               # (keys, dtype) of a fused group -> its buffer, reused every call
         self._registry = Registry()
         self._updater = None
-        self._close_at_exit()
+        engine, node, ring = self._engine, self._node, self._ring
+
+        def leave():
+            ring.close()                 # a collective still waiting (the job is broken) ends now
+            engine.stop()
+            node.leave()
+        self._join_job(node, leave)
         if _Default.kv is None:
             _Default.kv = self           # kvps.allreduce() uses the process's ring kvstore
 
@@ -91,8 +99,12 @@ class RingKVStore(KVStore):
             else:
                 self._stored[info.key] = total      # the sum is the value: no copy (see _buffers)
 
-    def push(self, key, value, priority=0, async_op=False):
-        items = self._values(key, value, "push")
+    def push(self, key, value, priority=0, async_op=False, row_ids=None):
+        if row_ids is None:
+            items = self._values(key, value, "push")
+        else:       # the ring moves whole arrays: a row-sparse push goes as its dense form
+            items = [(info, self._dense(info, ids, rows))
+                     for info, ids, rows in self._sparse_values(key, value, row_ids, "push")]
         self._straggle(items)
         return self._run("push", lambda: self._apply(items), async_op)
 
@@ -145,8 +157,14 @@ class RingKVStore(KVStore):
         """This worker has no more data: take part with zeros in every collective the others still
         run, until every worker has joined; returns the rank of the last worker to join."""
         def job():
-            barrier = self._node.barrier_async("workers")
-            while self._ring.serve(barrier.done, f"W{self.rank} after join()"):
+            ended = []                   # set, then the ring woken, when the barrier's reply comes
+
+            def on_reply(header, payloads):          # I/O thread, before the handle completes
+                ended.append(True)
+                self._ring.wake()
+            barrier = self._node.request(SCHEDULER, Header(Op.BARRIER, meta={"group": "workers"}),
+                                         what=f"W{self.rank} waiting at the join barrier", on_reply=on_reply)
+            while self._ring.serve(lambda: bool(ended) or barrier.done(), f"W{self.rank} after join()"):
                 pass
             result["last"] = barrier.wait().meta.get("last")
             self._ring.epoch += 1
@@ -174,9 +192,8 @@ class RingKVStore(KVStore):
     def _healthy(self):
         return self._node.failure is None
 
-    def _leave(self):
-        self._engine.stop()
-        self._node.leave()
+    def close(self):
+        super().close()
         if _Default.kv is self:
             _Default.kv = None
 

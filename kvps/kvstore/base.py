@@ -4,16 +4,22 @@
     kv.push(3, grad); kv.pull(3, out=weight)
     kv.pushpull(3, grad)                  # out=None: the result goes into grad
 
-Calls are synchronous by default. With async_op=True they return a Handle at
-once; the caller must not change a pushed value or read an `out` until
-handle.wait() (or kv.wait_all()) returns. Calls on the same key keep their order.
+Calls follow MXNet's engine contract. A push returns as soon as the caller may reuse the pushed
+array (a dist kvstore copies it and sends in the background); a pull returns with `out` complete,
+and sees every earlier push of this worker. With async_op=True a call returns a Handle at once; the
+caller must not change a pushed value or read an `out` until handle.wait() (or kv.wait_all())
+returns. Calls on the same key keep their order. An error of a call that already returned is
+raised by the next call, by wait_all() and by close(), naming the call.
+
+A kvstore leaves its job however the process ends: close(), the kvstore going out of scope,
+interpreter exit, sys.exit or an uncaught exception (weakref.finalize, which holds the node, not
+the kvstore).
 
 This module holds what every kvstore shares: argument normalisation and the
 checks of keys, shapes and dtypes against what init declared, so every kvstore
 reports bad input the same way before anything is sent.
 """
 import abc
-import atexit
 import collections
 import dataclasses
 import logging
@@ -23,7 +29,9 @@ import numpy as np
 
 from kvps import kernels
 from kvps.arrays import Out, as_numpy, describe
-from kvps.errors import KVKeyError
+from kvps.errors import KVKeyError, KVPSError
+
+log = logging.getLogger("kvps")
 
 _UNSET = object()
 
@@ -64,7 +72,9 @@ class KVStore(abc.ABC):
         self.type = name
         self._keys = {}            # key -> KeyInfo
         self._pending = collections.deque()   # handles of asynchronous calls (handle.remember)
+        self._returned = collections.deque()  # handles of calls that returned before completing
         self._closed = False
+        self._finalizer = None
         self._straggler = _UNSET   # built from the config on the first push
 
     # ---- identity ----
@@ -86,8 +96,11 @@ class KVStore(abc.ABC):
         """Declare keys and store rank 0's values; every worker waits until they are stored."""
 
     @abc.abstractmethod
-    def push(self, key, value, priority=0, async_op=False):
-        """Push values (a list of values for one key is summed first)."""
+    def push(self, key, value, priority=0, async_op=False, row_ids=None):
+        """Push values (a list of values for one key is summed first). With row_ids, `value` holds
+        just those rows of the key (MXNet's row_sparse gradient): only they are sent, a sync round
+        sums each row over the workers that pushed it (zeros where none did), and a server
+        optimizer updates only the touched rows (MXNet's lazy update)."""
 
     @abc.abstractmethod
     def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
@@ -111,9 +124,28 @@ class KVStore(abc.ABC):
         """Wait until every worker reaches the barrier."""
 
     def wait_all(self, timeout=None):
-        """Wait for every asynchronous call of this kvstore; raises the first one's error."""
-        while self._pending:
-            self._pending.popleft().wait(timeout)
+        """Wait for every asynchronous call of this kvstore, and every push that returned early;
+        raises the first one's error."""
+        for queue in (self._returned, self._pending):
+            while queue:
+                queue[0].wait(timeout)
+                queue.popleft()
+
+    def _check_returned(self):
+        """Raise the error of a call that already returned (the first one seen), and forget the
+        ones that succeeded. Every call starts here, so no error is lost."""
+        returned = self._returned
+        while returned and returned[0].done():
+            handle = returned.popleft()
+            if not handle.succeeded():
+                try:
+                    handle.wait(0)
+                except Exception as exc:
+                    raise KVPSError(f"an earlier {handle.what} failed: {exc}") from exc
+
+    def _returned_early(self, handle):
+        """Keep the handle of a call that returns before it completes (see _check_returned)."""
+        self._returned.append(handle)
 
     def join(self):
         """This worker has run out of data: let the others finish their rounds, wait until every
@@ -135,18 +167,42 @@ class KVStore(abc.ABC):
             if self._healthy():
                 self.wait_all()
         finally:
-            self._leave()
+            if self._finalizer is not None:
+                self._finalizer()        # leaves once, now
+            _LIVE.discard(self)
 
     def _healthy(self):
         return True
 
-    def _leave(self):
-        """Tell the job this worker is done and release what the kvstore holds."""
+    def _claim_process(self):
+        """Refuse a second member of a job in one process (call before starting a node)."""
+        for other in list(_LIVE):
+            if not other._closed:
+                raise KVPSError(
+                    f"this process is already worker W{other.rank} of the job through its {other.type!r} "
+                    f"kvstore; a process is one worker of one job, so create one kvstore per process and "
+                    f"use it for every call (its pushpull sums over workers like an all-reduce), or "
+                    f"close() the first one before creating {self.type!r}")
 
-    def _close_at_exit(self):
-        """Close this kvstore when the process exits, if the user did not (a weak reference:
-        a kvstore that is gone needs nothing)."""
-        atexit.register(_close_ref, weakref.WeakMethod(self.close))
+    def _join_job(self, node, leave):
+        """Register this kvstore as the process's member of the job (its node has started).
+        `leave()` runs once: on close(), when the kvstore is collected, or at interpreter exit
+        (after the pending calls finish). Neither `node` nor `leave` may refer to the kvstore,
+        or it could never be collected."""
+        _LIVE.add(self)
+        self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
+                                           lambda: node.failure is None, leave, self.type)
+
+    def _barrier(self):
+        """MXNet's private name for barrier()."""
+        return self.barrier()
+
+    def is_capable(self, capability):
+        """MXNet's capability query: "optimizer" (a server-side optimizer can be set)."""
+        capability = str(capability).lower()
+        if capability == "optimizer":
+            return True
+        raise ValueError(f"unknown capability {capability!r} (MXNet's capabilities: 'optimizer')")
 
     def broadcast(self, key, value, out, priority=0):
         """init(key, value) then pull(key, out): every worker ends with rank 0's value."""
@@ -240,8 +296,9 @@ class KVStore(abc.ABC):
             items.append((info, wrapped))
         return items
 
-    def _row_ids(self, items, row_ids, op):
-        """One sorted, de-duplicated int64 row-id array per key, checked against its rows."""
+    def _row_ids(self, items, row_ids, op, unique=True):
+        """One int64 row-id array per key of `items` ([(KeyInfo, ...)]), checked against its rows;
+        sorted and de-duplicated when `unique`."""
         if row_ids is None:
             raise ValueError(f"{op} needs row_ids=")
         if len(items) == 1 and not isinstance(row_ids, (list, tuple)) or \
@@ -253,23 +310,70 @@ class KVStore(abc.ABC):
         result = []
         for (info, _), ids in zip(items, row_ids):
             ids = as_numpy(ids, f"row_ids for key {info.key!r}") if not isinstance(ids, (list, tuple)) \
-                else np.asarray(ids, dtype=np.int64)
-            if ids.dtype.kind not in "iu":
+                else np.asarray(ids)
+            if ids.dtype.kind == "f":           # MXNet's own tests pass float32 ids
+                whole = np.isfinite(ids) & (ids == np.round(ids))
+                if not np.all(whole):
+                    raise ValueError(f"row_ids for key {info.key!r} must be whole numbers; "
+                                     f"got {float(ids[~whole].reshape(-1)[0]):g}")
+            elif ids.dtype.kind not in "iu" and ids.size:
                 raise ValueError(f"row_ids for key {info.key!r} are {ids.dtype}; they must be integers")
             if not info.shape:
                 raise ValueError(f"key {info.key!r} is a scalar; {op} needs an array with rows")
-            ids = np.unique(ids.astype(np.int64).reshape(-1))
-            if ids.size and (ids[0] < 0 or ids[-1] >= info.shape[0]):
+            ids = ids.astype(np.int64).reshape(-1)
+            if unique:
+                ids = np.unique(ids)
+            if ids.size and (ids.min() < 0 or ids.max() >= info.shape[0]):
                 raise ValueError(f"row_ids for key {info.key!r} must lie in 0..{info.shape[0] - 1}; "
-                                 f"got {ids[0]}..{ids[-1]}")
+                                 f"got {ids.min()}..{ids.max()}")
             result.append(ids)
         return result
 
+    def _sparse_values(self, keys, values, row_ids, op):
+        """[(KeyInfo, ids, rows)] of a row-sparse push: per key, sorted unique row ids and the
+        rows for them (rows given twice are summed), every one checked before any is sent."""
+        items = []
+        for key, vals in pairs(keys, values, op):
+            info = self._info(key, op)
+            if len(vals) != 1:
+                raise ValueError(f"a row-sparse {op} of key {key!r} takes one array of rows; got {len(vals)}")
+            items.append((info, as_numpy(vals[0], f"{op} rows for key {key!r}")))
+        out = []
+        for (info, rows), ids in zip(items, self._row_ids(items, row_ids, op, unique=False)):
+            want = (ids.size,) + tuple(info.shape[1:])
+            if rows.dtype != info.dtype or rows.shape != want:
+                raise ValueError(f"key {info.key!r} was initialised as {describe(info.dtype, info.shape)}; a "
+                                 f"row-sparse {op} of {ids.size} rows needs {describe(info.dtype, want)}, got "
+                                 f"{describe(rows.dtype, rows.shape)}")
+            order = np.argsort(ids, kind="stable")
+            ids, rows = ids[order], rows[order]
+            uniq, first = np.unique(ids, return_index=True)
+            if uniq.size < ids.size:
+                rows = np.add.reduceat(rows, first, axis=0).astype(info.dtype, copy=False)
+            out.append((info, uniq, np.ascontiguousarray(rows)))
+        return out
 
-def _close_ref(ref):
-    close = ref()
-    if close is not None:
-        try:
-            close()
-        except Exception as exc:   # at exit, report and go on
-            logging.getLogger("kvps").warning("closing the kvstore at exit: %s", exc)
+    @staticmethod
+    def _dense(info, ids, rows):
+        """A row-sparse push as the dense array it stands for (zeros in the other rows)."""
+        out = np.zeros(info.shape, info.dtype)
+        out[ids] = rows
+        return out
+
+
+_LIVE = weakref.WeakSet()       # kvstores of this process that are members of a job
+
+
+def _farewell(returned, pending, healthy, leave, kind):
+    """A kvstore's last act (weakref.finalize): finish its calls, report any error, leave the job."""
+    try:
+        if healthy():
+            for queue in (returned, pending):
+                while queue:
+                    handle = queue.popleft()
+                    try:
+                        handle.wait()
+                    except Exception as exc:     # nobody is left to raise it to: say it loudly
+                        log.error("%s kvstore: %s failed: %s", kind, handle.what, exc)
+    finally:
+        leave()

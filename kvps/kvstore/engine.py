@@ -21,7 +21,10 @@ class Engine:
         self._thread.start()
 
     def submit(self, what, fn):
-        handle = Handle(what, self._timeout)
+        # A job's own waits have KVPS_TIMEOUT deadlines and end it with an error naming what they
+        # waited for, which handle.wait() raises; the handle's deadline is only a backstop for a
+        # wedged job (or one queued behind a slow one), so it must not run out before theirs.
+        handle = Handle(what, 2 * self._timeout + 5)
         job_id = next(self._ids)
         handle._expect(job_id, "the ring")
         handle._arm()

@@ -26,7 +26,13 @@ class LocalKVStore(KVStore):
             self._store.init(0, info.key, 0, info.dtype, info.shape, array, _raise)
             self._keys[info.key] = info
 
-    def push(self, key, value, priority=0, async_op=False):
+    def push(self, key, value, priority=0, async_op=False, row_ids=None):
+        if row_ids is not None:
+            sparse = self._sparse_values(key, value, row_ids, "push")
+            self._straggle([(info, rows) for info, _, rows in sparse])
+            for info, ids, rows in sparse:
+                self._store.push(0, info.key, 0, rows, _raise, rows=ids)
+            return Handle.completed("push")
         items = self._values(key, value, "push")
         self._straggle(items)
         for info, array in items:

@@ -16,8 +16,9 @@ from kvps.ps import compression, sharding
 from kvps.config import Config
 from kvps.ps.consistency import Consistency
 from kvps.errors import KVPSError, ProtocolError
-from kvps.wire.requests import remember
+from kvps.wire.requests import Handle, remember
 from kvps.kvstore.base import KeyInfo, KVStore
+from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.membership import Worker
 from kvps.wire.protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
@@ -40,14 +41,20 @@ class Messages:
         self._all = []               # (server, message) in the order they were opened
 
     def add(self, server, entry, payload, size):
+        self.add_group(server, [(entry, payload, size)])
+
+    def add_group(self, server, items):
+        """Entries [(entry, payload or None, size)] that must travel in one message."""
+        total = sum(size for _, _, size in items)
         message = self._open.get(server)
-        if message is None or (message[2] and message[2] + size > self.limit):
+        if message is None or (message[2] and message[2] + total > self.limit):
             message = self._open[server] = [[], [], 0]
             self._all.append((server, message))
-        message[0].append(entry)
-        if payload is not None:
-            message[1].append(payload)
-        message[2] += size
+        for entry, payload, _ in items:
+            message[0].append(entry)
+            if payload is not None:
+                message[1].append(payload)
+        message[2] += total
 
     def __iter__(self):
         return ((server, entries, payloads) for server, (entries, payloads, _) in self._all)
@@ -64,14 +71,18 @@ class DistKVStore(KVStore):
             consistency = Consistency.from_wire(consistency)
         self.consistency = consistency
         self.mode = consistency.mode
+        self._claim_process()
         # Workers register the canonical string: the scheduler refuses a job whose workers differ.
         self._node = Worker(self.cfg, meta={"mode": consistency.wire()})
         self._node.start()
+        self._join_job(self._node, self._node.leave)
         self._num_servers = len(self._node.membership["servers"])
         self._optimizer_generation = 0
         self._codec = None               # gradient compression spec, or None
         self._residuals = {}             # (key, part) -> float32 error-feedback residual
-        self._close_at_exit()
+        self._copies = {}                # key -> (private copy of its last push, that push's handle)
+        # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read
+        self._ahead = PullAhead() if consistency.wire() == "sync" else None
         if self._num_servers == 0:
             self.close()
             raise KVPSError(f"kvstore {name!r} needs servers, and this job has none "
@@ -91,12 +102,15 @@ class DistKVStore(KVStore):
         """Send the requests of a Messages batch under one Handle; returns it."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
+        self._check_returned()
         items = [(f"S{server}", Header(op, keys=entries, meta=dict(messages.meta)), payloads, on_reply)
                  for server, entries, payloads in messages]
         handle = self._node.request_many(items, what, keep=keep)
         handle.then = then
         if async_op:
             remember(self._pending, handle)
+            return handle
+        if async_op is None:             # the caller keeps it (a push that returns early)
             return handle
         return _finish(handle)
 
@@ -176,21 +190,96 @@ class DistKVStore(KVStore):
         for info in infos:
             self._keys[info.key] = info
 
-    def push(self, key, value, priority=0, async_op=False):
+    def push(self, key, value, priority=0, async_op=False, row_ids=None):
+        """Returns once the values are copied (blocking form) and the round goes on in the background:
+        a later pull of the same key sees it, and its error is raised by the next call."""
+        if row_ids is not None:
+            return self._push_rows(key, value, row_ids, async_op)
         items = self._values(key, value, "push")
         self._straggle(items)
+        keys = [info.key for info, _ in items]
+        what = self._what("push", [i for i, _ in items])
+        if async_op:
+            self._forget(keys)
+            messages = self._with_values(items, self._codec)
+            return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True)
+        items = [(info, self._private(info, array)) for info, array in items]
         messages = self._with_values(items, self._codec)
-        return self._send(Op.PUSH, self._what("push", [i for i, _ in items]), messages,
-                          keep=(items, messages), async_op=async_op)
+        stash = Stash() if self._ahead is not None and self._ahead.wants(keys) else None
+        if stash is None:
+            handle = self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=None)
+        else:
+            handle = stash.handle = self._send(Op.PUSHPULL, what, messages, on_reply=stash.keep,
+                                               keep=(items, messages), async_op=None)
+        if self._ahead is not None:
+            self._ahead.pushed(keys, stash)
+        for info, array in items:
+            self._copies[info.key] = (array, handle)
+        self._returned_early(handle)
+        return handle
+
+    def _push_rows(self, key, value, row_ids, async_op):
+        """A row-sparse push: per part of each key, its local row ids and those rows (the ids and
+        the rows are fresh arrays, so the caller may reuse its own at once)."""
+        sparse = self._sparse_values(key, value, row_ids, "push")
+        self._straggle([(info, rows) for info, _, rows in sparse])
+        self._forget([info.key for info, _, _ in sparse])
+        messages = Messages(self.cfg.message_bytes)
+        for info, ids, rows in sparse:
+            if rows.base is not None:
+                rows = rows.copy()
+            routed = {part.index: (local, positions) for part, local, positions in sharding.split_rows(info.parts, ids)}
+            for part in info.parts:     # every part, rows or none: each part's sync round needs every worker
+                local, positions = routed.get(part.index, (np.empty(0, np.int64), np.empty(0, np.int64)))
+                part_rows = np.ascontiguousarray(rows[positions])
+                messages.add_group(part.server, [
+                    (Entry.of(info.key, part.index, local), _bytes(local) if local.nbytes else None, local.nbytes),
+                    (Entry.of(info.key, part.index, part_rows), _bytes(part_rows) if part_rows.nbytes else None,
+                     part_rows.nbytes)])
+        what = self._what("row-sparse push", [info for info, _, _ in sparse])
+        handle = self._send(Op.ROW_SPARSE_PUSH, what, messages, keep=(sparse, messages),
+                            async_op=True if async_op else None)
+        if not async_op:
+            self._returned_early(handle)
+        return handle
+
+    def _private(self, info, array):
+        """A copy of a pushed array that the caller cannot change: the key's buffer from its last
+        push when that push is over, else a new one."""
+        copy, handle = self._copies.get(info.key, (None, None))
+        if copy is None or not handle.done() or copy.dtype != array.dtype or copy.shape != array.shape:
+            copy = np.empty_like(array)
+        np.copyto(copy, array)
+        return copy
+
+    def _forget(self, keys):
+        if self._ahead is not None:
+            self._ahead.drop(keys)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
         items = self._outs(key, out, "pull")
         infos = [i for i, _ in items]
+        stashes = self._ahead.take([i.key for i in infos]) if self._ahead is not None else None
+        if stashes is not None:
+            return self._pulled_ahead(items, stashes)
         return self._send(Op.PULL, self._what("pull", infos), self._bare(infos), on_reply=self._filler(items),
                           keep=items, async_op=async_op, then=_finishers(items))
 
+    def _pulled_ahead(self, items, stashes):
+        """A pull served by the replies of the PUSHPULLs its keys' pushes went as."""
+        self._check_returned()
+        fill = self._filler(items)
+        for stash in stashes:
+            stash.handle.wait()
+            for header, payloads in stash.replies:
+                fill(header, payloads)
+        for finish in _finishers(items):
+            finish()
+        return Handle.completed(self._what("pull", [i for i, _ in items]))
+
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
         values = self._values(key, value, "pushpull")
+        self._forget([info.key for info, _ in values])
         self._straggle(values)
         outs = self._outs(key, value if out is None else out, "pushpull")
         messages = self._with_values(values, self._codec)
@@ -200,6 +289,7 @@ class DistKVStore(KVStore):
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
         items = self._outs(key, out, "row_sparse_pull")
+        self._forget([info.key for info, _ in items])
         ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")
         messages = Messages(self.cfg.message_bytes)
         dests = {}
@@ -269,9 +359,6 @@ class DistKVStore(KVStore):
 
     def _healthy(self):
         return self._node.failure is None
-
-    def _leave(self):
-        self._node.leave()
 
 
 def _finishers(items):

@@ -167,8 +167,7 @@ class RuleState:
         self.rule = rule
         self._state = {}        # slot id -> [master float32 weight or None, count, state arrays]
 
-    def __call__(self, slot_id, weight, grad):
-        """weight <- rule(weight, grad), in place."""
+    def _entry(self, slot_id, weight):
         if weight.dtype.kind not in "fV" and weight.dtype.name != "bfloat16":
             raise ValueError(f"key {slot_id[0]!r} is {weight.dtype}: an optimizer needs a floating-point key")
         entry = self._state.get(slot_id)
@@ -177,11 +176,32 @@ class RuleState:
             entry = self._state[slot_id] = [master, 0, self.rule.create_state(master if master is not None
                                                                                else weight)]
         entry[1] += 1
-        master = entry[0]
+        return entry
+
+    def __call__(self, slot_id, weight, grad):
+        """weight <- rule(weight, grad), in place."""
+        master, count, state = self._entry(slot_id, weight)
         if master is None:
             if grad.dtype != weight.dtype:
                 grad = grad.astype(weight.dtype)
-            self.rule.apply(weight, grad, entry[2], entry[1])
+            self.rule.apply(weight, grad, state, count)
         else:
-            self.rule.apply(master, grad, entry[2], entry[1])
+            self.rule.apply(master, grad, state, count)
             kernels.cast(master.reshape(-1), weight.reshape(-1))
+
+    def update_rows(self, slot_id, weight, rows, grad):
+        """The rule on rows `rows` of weight only, with grad holding those rows (MXNet's lazy
+        update): the other rows, and their state, stay as they are."""
+        master, count, state = self._entry(slot_id, weight)
+        full = weight if master is None else master
+        sub = np.ascontiguousarray(full[rows])
+        sub_state = [None if s is None else np.ascontiguousarray(s[rows]) for s in state]
+        self.rule.apply(sub, grad.astype(sub.dtype) if grad.dtype != sub.dtype else grad, sub_state, count)
+        full[rows] = sub
+        for s, part in zip(state, sub_state):
+            if s is not None:
+                s[rows] = part
+        if master is not None:
+            low = np.empty(sub.shape, weight.dtype)
+            kernels.cast(sub.reshape(-1), low.reshape(-1))
+            weight[rows] = low

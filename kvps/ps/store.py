@@ -27,6 +27,12 @@ SSP mode ("ssp:s", stale synchronous parallel): pushes are applied as in async m
 but a pull from a worker that has pushed a key c times waits until every active
 worker has pushed it at least c - s times (stats["ssp_waits"] counts those that waited).
 
+Row-sparse pushes (`push(..., rows=ids)`, MXNet's row_sparse gradients) carry only some rows. A
+sync round sums each row over the workers that pushed it; without an update rule the value becomes
+that sum with zeros in the rows nobody pushed (as MXNet's server stores a merged row-sparse array),
+and with one only the touched rows and their state change (MXNet's lazy update). Async and ssp
+pushes add their rows, or update only them.
+
 Every applied push's staleness (updates since its worker last pulled the key) goes into
 stats["staleness"], a histogram. The per-mode bookkeeping lives in clocks.py.
 
@@ -79,6 +85,32 @@ class Slot:
         return f"key {key!r}" + (f" part {part}" if part else "")
 
 
+class Rows:
+    """The rows of a row-sparse push: sorted unique local row ids, and the values of those rows."""
+    __slots__ = ("ids", "values")
+
+    def __init__(self, ids, values):
+        self.ids, self.values = ids, values
+
+    nbytes = property(lambda self: self.values.nbytes + self.ids.nbytes)
+
+    def dense(self, shape):
+        out = np.zeros(shape, self.values.dtype)
+        out[self.ids] = self.values
+        return out
+
+
+def _sum_rows(pushes, dtype):
+    """The Rows of several row-sparse pushes summed: each row over the pushes that have it."""
+    if len(pushes) == 1:
+        return pushes[0]
+    ids = np.unique(np.concatenate([p.ids for p in pushes]))
+    values = np.zeros((ids.size,) + pushes[0].values.shape[1:], dtype)
+    for p in pushes:
+        values[np.searchsorted(ids, p.ids)] += p.values
+    return Rows(ids, values)
+
+
 class Store:
     """All slots of one server, in one consistency mode, with an optional update rule (kvps.ps.rules.RuleState)."""
 
@@ -127,6 +159,16 @@ class Store:
             raise KVValueError(f"{slot.name()} holds {slot.shape[0]} rows; row ids "
                                f"{int(rows.min())}..{int(rows.max())} are out of range")
 
+    def check_sparse(self, slot, rows, array):
+        """Raise KVValueError unless a row-sparse push's ids and rows fit the slot."""
+        self.check_rows(slot, rows)
+        if rows.size > 1 and not np.all(rows[1:] > rows[:-1]):
+            raise KVValueError(f"row ids of a row-sparse push to {slot.name()} must be sorted and unique")
+        want = (rows.size,) + slot.shape[1:]
+        if array.dtype != slot.dtype or array.shape != want:
+            raise KVValueError(f"a row-sparse push of {rows.size} rows to {slot.name()} needs "
+                               f"{_show(slot.dtype, want)}; got {_show(array.dtype, array.shape)}")
+
     # ---- operations ----
     def init(self, worker, key, part, dtype, shape, array, done):
         """Rank 0 passes the value; other workers pass array=None and wait until it is stored."""
@@ -157,8 +199,13 @@ class Store:
     def set_rule(self, rule):
         self.rule = rule
 
-    def push(self, worker, key, part, array, done):
+    def push(self, worker, key, part, array, done, rows=None):
+        """`rows`: the local row ids (sorted, unique int64) of a row-sparse push, whose `array`
+        holds just those rows."""
         slot = self.slot(key, part)
+        if rows is not None:
+            self.check_sparse(slot, rows, array)
+            array = Rows(rows, array)
         self.stats["pushes"] += 1
         self.stats["bytes_in"] += array.nbytes
         if self.mode != "sync":
@@ -222,6 +269,8 @@ class Store:
             self._enter(slot, worker, array, done)
 
     def _merge(self, slot, pending):
+        if any(type(p) is Rows for p in pending):
+            return self._merge_rows(slot, pending)
         if self.rule is not None:
             slot.merge = self._sum(slot, pending, slot.merge)
             self._apply(slot, slot.merge)
@@ -233,6 +282,21 @@ class Store:
             # A reply is still being sent from the old value: leave it to zmq, sum into fresh memory.
             slot.merge, slot.value = None, self._sum(slot, pending, None)
             slot.sent = []
+
+    def _merge_rows(self, slot, pending):
+        """A round with row-sparse pushes: the rule on the touched rows, or the sum of the rows
+        (zeros where nobody pushed) as the new value."""
+        if self.rule is not None and all(type(p) is Rows for p in pending):
+            self._apply(slot, _sum_rows(pending, slot.dtype))
+            return
+        dense = [p.dense(slot.shape) if type(p) is Rows else p for p in pending]
+        if self.rule is not None:
+            slot.merge = self._sum(slot, dense, slot.merge)
+            self._apply(slot, slot.merge)
+            return
+        settled = not slot.sent or self._settled(slot)       # as _merge: the old value may still be sending
+        new = self._sum(slot, dense, slot.merge if settled else None)
+        slot.merge, slot.value, slot.sent = (slot.value if settled else None), new, []
 
     def _sum(self, slot, arrays, target):
         if target is None or target.shape != slot.shape:
@@ -247,6 +311,13 @@ class Store:
     def _apply(self, slot, grad):
         """Apply one (summed) push to the value in place."""
         self._settle(slot)
+        if type(grad) is Rows:
+            if self.rule is not None:
+                self.rule.update_rows(slot.id, slot.value, grad.ids, grad.values)
+                self.stats["updates"] += 1
+            else:
+                slot.value[grad.ids] += grad.values
+            return
         if self.rule is not None:
             self.rule(slot.id, slot.value, grad.reshape(slot.shape))
             self.stats["updates"] += 1

@@ -82,7 +82,31 @@ def test_dead_peer_fails_the_ring_loudly(cluster):
     c.wait(procs[:2], 20)
     for i in range(2):
         assert procs[i].returncode == 3, c.logs()
-        assert "W2" in c.output(f"W{i}")[-1]["message"]
+        last = c.output(f"W{i}")[-1]
+        assert last["error"] == "NodeFailure" and "W2" in last["message"], last   # not a timeout
+
+
+LATE = r'''
+import json, time, numpy as np, kvps
+kv = kvps.create("allreduce")
+if kv.rank == 0:
+    started = time.monotonic()
+    try:
+        kvps.allreduce(np.ones(1000, np.float32))
+    except kvps.KVTimeoutError as e:
+        print(json.dumps({"message": str(e), "waited": time.monotonic() - started}), flush=True)
+else:
+    time.sleep(4)                      # never takes part in collective 0 (mismatched calls)
+kv.close()
+'''
+
+
+def test_a_missing_peer_times_out_naming_collective_phase_step_chunk_and_worker(cluster):
+    c = cluster(2, 0)
+    (a,), _ = c.run_workers(LATE, timeout=60, env={"KVPS_TIMEOUT": "1.5"})
+    assert a["message"] == ("allreduce: collective 0: no data from W1 for reduce-scatter step 0 chunk 0 "
+                            "within 1.5 s (KVPS_TIMEOUT)")
+    assert 1.4 < a["waited"] < 5
 
 
 JOIN_RACE = r'''

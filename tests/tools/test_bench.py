@@ -26,7 +26,7 @@ def table_rows(stdout):
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[1] in ("push+pull", "pushpull"):
+        if len(cells) == 7 and cells[1] in ("push+pull", "list", "pushpull"):
             rows[(cells[0], cells[1])] = float(cells[2])
     return rows
 
@@ -56,11 +56,19 @@ def test_quick_run_prints_a_table_with_numbers(tmp_path):
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     rows = table_rows(done.stdout)
     assert set(rows) == {(w, c) for w in ("1 KB round", "4 KB round", "ResNet-50 step (161 tensors, 25.6M floats)")
-                         for c in ("push+pull", "pushpull")}, done.stdout
+                         for c in ("push+pull", "list", "pushpull")}, done.stdout
     assert all(ms > 0 for ms in rows.values()), done.stdout
     saved = json.loads(out.read_text())
-    assert len(saved["kvps"]) == 6 and saved["mxnet"] == []
+    assert len(saved["kvps"]) == 9 and saved["mxnet"] == []
     assert all(t["met"] is None for t in saved["targets"])       # no baseline, nothing judged
+
+
+def test_pattern_picks_the_call_patterns(tmp_path):
+    done = run_bench(["--quick", "--sizes", "1KB", "--resnet-steps", "0", "--pattern", "mxnet,pushpull"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert set(table_rows(done.stdout)) == {("1 KB round", "push+pull"), ("1 KB round", "pushpull")}, done.stdout
+    bad = run_bench(["--pattern", "mxnet,fast"], tmp_path)
+    assert bad.returncode == 2 and "choose from mxnet, list, pushpull" in bad.stderr, bad.stderr
 
 
 def test_a_job_past_its_deadline_fails_fast_with_its_log(tmp_path):

@@ -30,10 +30,6 @@ from kvps.kernels import reference
 from kvps.kernels.reference import bfloat16
 
 F32, F16 = np.float32, np.float16
-DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64", np.dtype(np.float16): "float16",
-               np.dtype(bfloat16): "bfloat16", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64"}
-
-
 @dataclasses.dataclass
 class Case:
     op: str
@@ -118,7 +114,7 @@ def build_cases(size_mb, only=None):
         n = size // np.dtype(dt).itemsize
         d, s = _fill(n, dt, rng), _fill(n, dt, rng, -1e-3, 1e-3)
         td, ts = (_t(torch, d), _t(torch, s)) if torch else (None, None)
-        cases.append(Case("sum_into", DTYPE_NAMES[np.dtype(dt)], 3 * d.nbytes,
+        cases.append(Case("sum_into", np.dtype(dt).name, 3 * d.nbytes,
                           lambda k, d=d, s=s: k.sum_into(d, s),
                           lambda d=d, s=s: np.add(d, s, out=d),
                           (lambda td=td, ts=ts: td.add_(ts)) if torch else None))
@@ -140,7 +136,7 @@ def build_cases(size_mb, only=None):
             for x in tsrcs[2:]:
                 td.add_(x)
 
-        cases.append(Case("sum_sources(4)", DTYPE_NAMES[np.dtype(dt)], 5 * d.nbytes,
+        cases.append(Case("sum_sources(4)", np.dtype(dt).name, 5 * d.nbytes,
                           lambda k, d=d, srcs=srcs: k.sum_sources(d, srcs), np_sources,
                           torch_sources if torch else None))
 
@@ -149,7 +145,7 @@ def build_cases(size_mb, only=None):
         n = size // np.dtype(dt).itemsize
         x, y = _fill(n, dt, rng), _fill(n, dt, rng)
         tx, ty = (_t(torch, x), _t(torch, y)) if torch else (None, None)
-        name = DTYPE_NAMES[np.dtype(dt)]
+        name = np.dtype(dt).name
         if want("scale"):
             cases.append(Case("scale", name, 2 * x.nbytes, lambda k, x=x: k.scale(x, 1.0),
                               lambda x=x, dt=dt: np.multiply(x, np.dtype(dt).type(1.0), out=x),
@@ -164,7 +160,7 @@ def build_cases(size_mb, only=None):
         for low in (np.float16, bfloat16):
             h = np.empty(n, low)
             tf, th = (_t(torch, f), _t(torch, h)) if torch else (None, None)
-            lname = DTYPE_NAMES[np.dtype(low)]
+            lname = np.dtype(low).name
             cases.append(Case("cast", f"float32->{lname}", f.nbytes + h.nbytes, lambda k, f=f, h=h: k.cast(f, h),
                               lambda f=f, h=h: np.copyto(h, f, casting="unsafe"),
                               (lambda tf=tf, th=th: th.copy_(tf)) if torch else None))
@@ -195,7 +191,7 @@ def build_cases(size_mb, only=None):
             g = grads[np.dtype(gdt)]
             nbytes = 2 * w.nbytes + g.nbytes + 2 * nstates * w.nbytes
             tw = _torch_update(torch, op, w, g, states) if torch else None
-            cases.append(Case(op, f"grad {DTYPE_NAMES[np.dtype(gdt)]}", nbytes,
+            cases.append(Case(op, f"grad {np.dtype(gdt).name}", nbytes,
                               lambda k, fn=fn, w=w, g=g, states=states: fn(k, w, g, states),
                               lambda fn=fn, w=w, g=g, states=states: fn(reference, w, g if g.dtype == F32 else g.astype(F32), states),
                               tw))

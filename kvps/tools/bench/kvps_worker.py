@@ -15,13 +15,15 @@ from kvps.tools.bench import workloads
 
 
 class KVPSPeer:
-    """The benchmark's view of a kvps kvstore."""
+    """The benchmark's view of a kvps kvstore. Its modes are the call patterns (PATTERNS) the plan
+    asks for: "push+pull" as MXNet scripts and Gluon's Trainer write it, "list" and "pushpull"
+    with whole lists."""
     name = "kvps"
-    modes = ("push+pull", "pushpull")
 
-    def __init__(self, kvtype):
+    def __init__(self, kvtype, modes=None):
         self.kv = kvps.create(kvtype)
         self.rank = self.kv.rank
+        self.modes = tuple(modes or workloads.KVPS_MODES)
 
     @staticmethod
     def zeros(shape):
@@ -41,14 +43,21 @@ class KVPSPeer:
         kv = self.kv
         if mode == "pushpull":
             return lambda: kv.pushpull(keys, grads, out=outs)
+        if mode == "list":
+            def push_list_then_pull_list():
+                kv.push(keys, grads)
+                kv.pull(keys, out=outs)
+            return push_list_then_pull_list
+        if mode != "push+pull":
+            raise ValueError(f"unknown mode {mode!r}")
 
-        def push_then_pull():
-            # As MXNet's engine does: the push goes out without waiting, the pull follows it
-            # (the server answers the pull once the push's round has closed).
-            kv.push(keys, grads, async_op=True)
-            kv.pull(keys, out=outs)
-            kv.wait_all()
-        return push_then_pull
+        def mxnet_loops():
+            # As MXNet scripts and Gluon's Trainer call it: blocking defaults, one key per call.
+            for i, (key, grad) in enumerate(zip(keys, grads)):
+                kv.push(key, grad, priority=-i)
+            for i, (key, out) in enumerate(zip(keys, outs)):
+                kv.pull(key, out=out, priority=-i)
+        return mxnet_loops
 
     def close(self):
         self.kv.close()
@@ -59,7 +68,7 @@ def main(argv):
         print(f"usage: {argv[0]} PLAN.json", file=sys.stderr)
         return 2
     plan = workloads.load_plan(argv[1])
-    peer = KVPSPeer(plan["kvtype"])
+    peer = KVPSPeer(plan["kvtype"], plan.get("modes"))
     workloads.run(plan, peer)
     peer.close()        # after a failure, kvps's exit handler closes it (and only logs what goes wrong)
     return 0

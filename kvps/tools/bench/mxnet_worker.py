@@ -20,10 +20,10 @@ import workloads              # noqa: E402
 class MXNetPeer:
     """The benchmark's view of an MXNet dist kvstore (pushes and pulls as Gluon's Trainer issues them)."""
     name = "mxnet"
-    modes = ("push+pull",)
 
     def __init__(self, kvtype):
         self.kv = mx.kv.create(kvtype)
+        self.modes = ("push+pull",)
         if "async" in kvtype:
             # MXNet's async servers abort without an updater; a zero learning rate keeps values fixed.
             self.kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.0))

@@ -81,10 +81,17 @@ def reps_for(nbytes, quick=False):
     return max(low, min(high, int(volume / nbytes)))
 
 
-def make_plan(sizes=DEFAULT_SIZES, resnet_steps=10, quick=False, kvtype="dist_sync"):
+# --pattern NAME -> the mode kvps's workers time (MXNet's workers always time "push+pull":
+# for each key push(key, priority=-i), then for each key pull(key, priority=-i))
+PATTERNS = {"mxnet": "push+pull", "list": "list", "pushpull": "pushpull"}
+KVPS_MODES = ("push+pull", "pushpull")      # what plans without "modes" time (kvps emulate, compare)
+
+
+def make_plan(sizes=DEFAULT_SIZES, resnet_steps=10, quick=False, kvtype="dist_sync", modes=None):
     """What every worker of both systems runs, as a JSON-able dict."""
     return {
         "kvtype": kvtype,
+        "modes": list(modes or KVPS_MODES),
         "warmup": 2 if quick else 3,
         "sweep": [{"bytes": n, "key": SWEEP_KEY0 + i, "reps": reps_for(n, quick)} for i, n in enumerate(sizes)],
         "resnet": {"steps": resnet_steps, "warmup": 1 if quick else 2, "key0": RESNET_KEY0,

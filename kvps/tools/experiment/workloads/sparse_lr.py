@@ -11,7 +11,8 @@ features matter). The weight vector is split into --keys keys of D/keys rows eac
 
 Each step a worker takes a minibatch of its shard (every W-th sample from its rank),
 row_sparse_pulls only the rows the batch touches, computes the logistic-loss gradient and
-pushes it for every key (dense per key, so every key's clock advances each step). The servers
+pushes just those rows of it (a row-sparse push, MXNet's row_sparse gradient; every key's
+servers still hear from every worker, so every key's clock advances each step). The servers
 run SGD with rescale_grad = 1/W (1/(W - B) with B backup workers); under the ring
 ('allreduce') the same optimizer runs on every worker on the summed gradient. Rank 0 pulls the
 whole vector to evaluate test log-loss, accuracy and AUC. Only numpy, no torch. It prints JSON
@@ -155,12 +156,12 @@ def main():
         which, ids = train.rows(picks)
         touched = unique_sorted(ids)
         cut = np.searchsorted(touched, bounds)
-        kv.row_sparse_pull(keys, out=parts, row_ids=[touched[cut[k]:cut[k + 1]] - k * rows
-                                                     for k in range(args.keys)])
+        local = [touched[cut[k]:cut[k + 1]] - k * rows for k in range(args.keys)]
+        kv.row_sparse_pull(keys, out=parts, row_ids=local)
         margin = np.bincount(which, weights=weights[ids], minlength=args.batch)
         residual = 1.0 / (1.0 + np.exp(-margin)) - train.labels[picks]         # d loss / d margin
         grad[:] = np.bincount(ids, weights=residual[which], minlength=args.dim) / args.batch
-        kv.push(keys, grads)
+        kv.push(keys, [g[ids_k] for g, ids_k in zip(grads, local)], row_ids=local)
         book.after_step(evaluate)
     book.finish(evaluate)              # rank 0 evaluates the final weights; every worker joins
     kv.close()

@@ -1,0 +1,240 @@
+"""MXNet scripts run unchanged on real jobs: a kvstore never closed still leaves the job at once, a
+push returns before its round closes yet overwriting the pushed array changes nothing, errors of
+returned calls are raised by the next call, per-key push loops then pull loops give the right
+values (pulled ahead), row-sparse pushes sum rows and update only them, and MXNet's names work."""
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from harness import FAST_ENV, PY
+
+# A heartbeat timeout far longer than a job takes: a job that ends by waiting for it fails the test.
+SLOW_HEARTBEAT = {"KVPS_HEARTBEAT_INTERVAL": "0.5", "KVPS_HEARTBEAT_TIMEOUT": "60"}
+
+EXITS = {
+    # how an MXNet-style script ends, with its kvstore never closed
+    "scope": "def main():\n    kv = train()\n    print(json.dumps(result(kv)), flush=True)\nmain()\n",
+    "module": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\n",
+    "sys_exit": "def main():\n    kv = train()\n    print(json.dumps(result(kv)), flush=True)\n    sys.exit(0)\nmain()\n",
+    "close": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\nkv.close()\n",
+    "exception": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\n"
+                 "if kv.rank == 1:\n    raise RuntimeError('boom')\n",
+}
+TRAIN = r'''
+import json, sys, numpy as np, kvps
+def train():
+    kv = kvps.create("dist_sync")
+    kv.init(0, np.zeros(4, np.float32))
+    for step in range(3):
+        kv.push(0, np.full(4, kv.rank + 1, np.float32))
+        out = np.zeros(4, np.float32)
+        kv.pull(0, out=out)
+    return kv
+def result(kv):
+    out = np.zeros(4, np.float32); kv.pull(0, out=out)
+    return {"rank": kv.rank, "x": out.tolist()}
+'''
+
+
+def _launch(tmp_path, script, n=3, s=2, timeout=60):
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    env = dict(os.environ, **dict(FAST_ENV, **SLOW_HEARTBEAT))
+    start = time.monotonic()
+    proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", str(n), "-s", str(s), "--", PY, str(path)],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return proc, time.monotonic() - start
+
+
+def _results(stdout):
+    return [json.loads(line.split("] ", 1)[1]) for line in stdout.splitlines()
+            if line.startswith("[W") and "] {" in line]
+
+
+@pytest.mark.parametrize("ending", sorted(EXITS))
+def test_a_kvstore_never_closed_leaves_the_job_at_once(tmp_path, ending):
+    proc, elapsed = _launch(tmp_path, TRAIN + EXITS[ending])
+    out = proc.stdout + proc.stderr
+    results = _results(proc.stdout)
+    assert sorted(r["rank"] for r in results) == [0, 1, 2], out
+    assert all(r["x"] == [6.0] * 4 for r in results), out
+    if ending == "exception":
+        assert proc.returncode == 1 and "worker W1 exited with code 1" in proc.stdout, out
+    else:
+        assert proc.returncode == 0, out
+        assert "failed" not in out and "dead" not in out, out
+    # nothing waited for the 60 s heartbeat timeout
+    assert elapsed < 30, (elapsed, out)
+
+
+PUSH_SEMANTICS = r'''
+import json, time, numpy as np, torch, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+kv.init(["a", "t"], [np.zeros(1000, np.float32), np.zeros(8, np.float32)])
+grad = np.full(1000, r + 1, np.float32)
+tgrad = torch.full((8,), float(r + 1))
+start = time.monotonic()
+kv.push("a", grad)
+kv.push("t", tgrad)
+returned = time.monotonic() - start
+grad[:] = 1000.0                      # MXNet's contract: the pushed values are already taken
+tgrad.fill_(1000.0)
+if r == 1:
+    time.sleep(1.0)                   # W0's pushes return while this worker has not pushed yet
+a, t = np.zeros(1000, np.float32), torch.zeros(8)
+kv.pull("a", out=a); kv.pull("t", out=t)
+print(json.dumps({"rank": r, "returned_s": returned, "a": [float(a.min()), float(a.max())],
+                  "t": t.tolist()}), flush=True)
+'''
+
+
+def test_push_returns_before_the_round_and_overwriting_changes_nothing(cluster):
+    c = cluster(2, 1)
+    results = c.run_workers(PUSH_SEMANTICS)
+    for (line,) in results:
+        assert line["a"] == [3.0, 3.0] and line["t"] == [3.0] * 8, line
+    assert results[0][0]["returned_s"] < 0.5, results      # did not wait for W1's push (1 s later)
+    assert c.wait_daemons() == [0, 0]
+
+
+LOOPS = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+shapes = [(3,), (700, 3), (5, 2), (2500,)]     # (700, 3) and (2500,) are split over both servers
+keys = list(range(len(shapes)))
+kv.init(keys, [np.zeros(s, np.float32) for s in shapes])
+seen = []
+for step in range(4):
+    grads = [np.full(s, (r + 1) * (step + 1), np.float32) for s in shapes]
+    for i, k in enumerate(keys):
+        kv.push(k, grads[i], priority=-i)
+        grads[i][...] = -1                     # reused at once, as a training loop does
+    outs = [np.zeros(s, np.float32) for s in shapes]
+    for i, k in enumerate(keys):
+        kv.pull(k, out=outs[i], priority=-i)
+    seen.append([[float(o.min()), float(o.max())] for o in outs])
+ahead = sorted(kv._ahead._on)
+# a key pushed twice without a pull in between is no longer pulled ahead, and stays right
+for step in range(3):
+    kv.push(0, np.full(3, r + 1, np.float32))
+    kv.push(0, np.full(3, 10 * (r + 1), np.float32))
+still = sorted(kv._ahead._on)
+out = np.zeros(3, np.float32); kv.pull(0, out=out)
+print(json.dumps({"seen": seen, "ahead": ahead, "after": out.tolist(), "still": still}), flush=True)
+'''
+
+
+def test_per_key_push_loop_then_pull_loop_is_exact_and_pulled_ahead(cluster):
+    c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "2000"})
+    for (line,) in c.run_workers(LOOPS):
+        assert line["seen"] == [[[3.0 * (s + 1)] * 2] * 4 for s in range(4)], line
+        assert line["ahead"] == [0, 1, 2, 3], line      # pulled ahead from the second step on
+        assert line["after"] == [30.0] * 3 and 0 not in line["still"], line
+    assert c.wait_daemons() == [0, 0, 0]
+
+
+ERRORS = r'''
+import json, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init(["w", "v"], [np.zeros(4, np.float32), np.zeros(4, np.float32)])
+kv.barrier()
+if kv.rank == 1:
+    kv.close()                         # leaves: W0's round of "w" can never close
+else:
+    kv.push("w", np.ones(4, np.float32))            # returns at once
+    time.sleep(1.5)
+    try:
+        kv.pull("v", out=np.zeros(4, np.float32))
+        print(json.dumps({"raised": None}), flush=True)
+    except kvps.KVPSError as exc:
+        print(json.dumps({"raised": str(exc)}), flush=True)
+    try:
+        kv.wait_all()
+        print(json.dumps({"again": None}), flush=True)
+    except kvps.KVPSError as exc:
+        print(json.dumps({"again": str(exc)}), flush=True)
+'''
+
+
+def test_the_error_of_a_returned_push_is_raised_by_the_next_call(cluster):
+    c = cluster(2, 1)
+    results = c.run_workers(ERRORS)
+    raised = results[0][0]["raised"]
+    assert raised and "push of key 'w'" in raised and "W1" in raised, results
+    assert results[0][1]["again"] is None, results        # raised once, not lost, not repeated
+
+
+ROW_SPARSE = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+kv.init(["e", "big"], [np.zeros((8, 3), np.float32), np.zeros((40, 2), np.float32)])
+kv.push("e", np.full((2, 3), r + 1, np.float32), row_ids=[np.array([1, 3]), np.array([3, 5])][r])
+e = np.full((8, 3), -1, np.float32); kv.pull("e", out=e)
+# "big" is split over both servers (KVPS_BIGARRAY_BOUND=40); W1 pushes rows of one part only;
+# W0 gives row 20 twice (summed) and float ids, as MXNet's tests do
+ids = np.array([0.0, 39.0, 20.0, 20.0], np.float32) if r == 0 else np.array([39])
+kv.push("big", np.ones((ids.size, 2), np.float32), row_ids=ids)
+big = np.full((40, 2), -1, np.float32); kv.row_sparse_pull("big", out=big, row_ids=np.arange(40))
+kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.5, momentum=0.9, wd=0.1))
+kv.init("w", np.ones((6, 2), np.float32))
+for step in range(2):
+    kv.push("w", np.ones((2, 2), np.float32), row_ids=[[1, 2], [2, 3]][r])
+w = np.zeros((6, 2), np.float32); kv.pull("w", out=w)
+print(json.dumps({"e": e[:, 0].tolist(), "big": big[:, 0].tolist(), "w": w[:, 0].tolist()}), flush=True)
+'''
+
+
+def test_row_sparse_push_sums_rows_and_updates_only_them(cluster):
+    c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "40"})
+    # SGD with momentum 0.9, wd 0.1, lr 0.5 on the touched rows only (MXNet's lazy update), 2 steps
+    def sgd(grad, steps=2, w=1.0, m=0.0):
+        for _ in range(steps):
+            m = 0.9 * m - 0.5 * (grad + 0.1 * w)
+            w += m
+        return w
+    for (line,) in c.run_workers(ROW_SPARSE):
+        assert line["e"] == [0, 1, 0, 3, 0, 2, 0, 0], line
+        assert line["big"] == [1] + [0] * 19 + [2] + [0] * 18 + [2], line
+        expect = [1.0, sgd(1.0), sgd(2.0), sgd(1.0), 1.0, 1.0]
+        assert line["w"] == pytest.approx(expect, rel=1e-6), line
+    assert c.wait_daemons() == [0, 0, 0]
+
+
+SURFACE = r'''
+import json, numpy as np, kvps
+kv = kvps.create("Dist_Device_Sync")
+kv._barrier()
+capable = kv.is_capable("optimizer")
+try:
+    kvps.allreduce(np.ones(3, np.float32))
+    second = None
+except kvps.KVPSError as exc:
+    second = str(exc)
+kv.init(0, np.zeros((4, 2), np.float32))
+kv.push(0, np.ones((4, 2), np.float32))
+out = np.zeros((4, 2), np.float32)
+kv.row_sparse_pull(0, out=out, row_ids=np.array([1.0, 3.0], np.float32))
+try:
+    kv.row_sparse_pull(0, out=out, row_ids=np.array([1.5], np.float32))
+    bad = None
+except ValueError as exc:
+    bad = str(exc)
+print(json.dumps({"type": kv.type, "capable": capable, "second": second, "rows": out[:, 0].tolist(), "bad": bad}),
+      flush=True)
+'''
+
+
+def test_mxnet_names_and_forms(cluster):
+    c = cluster(2, 1)
+    for (line,) in c.run_workers(SURFACE):
+        assert line["type"] == "Dist_Device_Sync" and line["capable"] is True, line
+        assert "already worker" in line["second"] and "one kvstore per process" in line["second"], line
+        assert line["rows"] == [0.0, 2.0, 0.0, 2.0], line
+        assert "whole numbers" in line["bad"] and "1.5" in line["bad"], line
+    assert c.wait_daemons() == [0, 0]

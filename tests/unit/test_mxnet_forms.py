@@ -1,0 +1,116 @@
+"""MXNet's names and forms in process: type names and aliases, row-sparse pushes and the lazy update
+of the local kvstore and the store, float row ids, and the pull-ahead bookkeeping."""
+import numpy as np
+import pytest
+
+import kvps
+from kvps.kvstore import ALIASES, TYPES
+from kvps.kvstore.pull_ahead import PullAhead, Stash
+from kvps.ps.rules import Registry
+from kvps.ps.store import Store
+
+
+@pytest.mark.parametrize("name", ["LOCAL", "Local", "device", "local_allreduce_cpu", "local_allreduce_device", "nccl"])
+def test_local_names_are_case_insensitive_and_aliased(name):
+    kv = kvps.create(name)
+    assert kv.type == name and kv.num_workers == 1
+
+
+def test_every_alias_names_a_kvps_type():
+    assert set(ALIASES.values()) <= set(TYPES)
+    with pytest.raises(ValueError, match="dist_device_sync"):
+        kvps.create("no_such_type")
+
+
+def test_capabilities_and_private_barrier():
+    kv = kvps.create("local")
+    assert kv.is_capable("optimizer") and kv.is_capable("OPTIMIZER")
+    with pytest.raises(ValueError, match="unknown capability"):
+        kv.is_capable("teleport")
+    kv._barrier()
+
+
+def test_row_sparse_push_without_optimizer_stores_the_rows_and_zeros():
+    kv = kvps.create("local")
+    kv.init("e", np.full((5, 2), 7, np.float32))
+    rows = np.array([[1, 1], [2, 2], [3, 3]], np.float32)
+    kv.push("e", rows, row_ids=np.array([4, 1, 4]))      # row 4 given twice: summed
+    rows[:] = 99                                          # already taken
+    out = np.zeros((5, 2), np.float32)
+    kv.pull("e", out=out)
+    assert out[:, 0].tolist() == [0, 2, 0, 0, 4]
+
+
+def test_row_sparse_push_with_adam_updates_only_the_touched_rows():
+    kv = kvps.create("local")
+    kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.1))
+    kv.init("w", np.ones((4, 3), np.float32))
+    for _ in range(3):
+        kv.push("w", np.ones((1, 3), np.float32), row_ids=[2])
+    out = np.zeros((4, 3), np.float32)
+    kv.pull("w", out=out)
+    # the same three steps on a one-row key, densely
+    ref_store = Store(num_workers=1, mode="sync")
+    ref_store.set_rule(Registry().create(kvps.optimizer.Adam(learning_rate=0.1).spec()))
+    ref_store.init(0, "r", 0, np.float32, (1, 3), np.ones((1, 3), np.float32), lambda e: None)
+    for _ in range(3):
+        ref_store.push(0, "r", 0, np.ones((1, 3), np.float32), lambda e: None)
+    np.testing.assert_array_equal(out[[0, 1, 3]], np.ones((3, 3), np.float32))
+    np.testing.assert_allclose(out[2], ref_store.slots[("r", 0)].value[0], rtol=1e-6)
+    assert out[2, 0] < 1
+
+
+def test_store_refuses_bad_row_sparse_pushes():
+    store = Store(num_workers=1, mode="sync")
+    store.init(0, "e", 0, np.float32, (4, 2), np.zeros((4, 2), np.float32), lambda e: None)
+    with pytest.raises(ValueError, match="sorted and unique"):
+        store.push(0, "e", 0, np.zeros((2, 2), np.float32), lambda e: None, rows=np.array([2, 1]))
+    with pytest.raises(ValueError, match="needs float32"):
+        store.push(0, "e", 0, np.zeros((2, 3), np.float32), lambda e: None, rows=np.array([1, 2]))
+    with pytest.raises(ValueError, match="out of range"):
+        store.push(0, "e", 0, np.zeros((1, 2), np.float32), lambda e: None, rows=np.array([4]))
+
+
+def test_row_sparse_push_arguments_are_checked_before_anything_changes():
+    kv = kvps.create("local")
+    kv.init("e", np.ones((3, 2), np.float32))
+    with pytest.raises(ValueError, match="row-sparse push of 2 rows needs float32"):
+        kv.push("e", np.ones((3, 2), np.float32), row_ids=[0, 1])
+    with pytest.raises(ValueError, match="whole numbers"):
+        kv.push("e", np.ones((1, 2), np.float32), row_ids=np.array([0.5]))
+    with pytest.raises(ValueError, match="must lie in 0..2"):
+        kv.push("e", np.ones((1, 2), np.float32), row_ids=[3])
+    out = np.zeros((3, 2), np.float32)
+    kv.pull("e", out=out)
+    assert out.tolist() == [[1, 1]] * 3
+
+
+def test_float_row_ids_in_row_sparse_pull():
+    kv = kvps.create("local")
+    kv.init(0, np.arange(8, dtype=np.float32).reshape(4, 2))
+    out = np.full((4, 2), -1, np.float32)
+    kv.row_sparse_pull(0, out=out, row_ids=np.array([3.0, 1.0], np.float32))
+    assert out[:, 0].tolist() == [0, 2, 0, 6]
+    with pytest.raises(ValueError, match="whole numbers; got 1.5"):
+        kv.row_sparse_pull(0, out=out, row_ids=np.array([1.5], np.float32))
+
+
+def test_pull_ahead_learns_from_pulls_and_unlearns_from_repeated_pushes():
+    ahead = PullAhead()
+    assert not ahead.wants(["a"])
+    ahead.pushed(["a"], None)
+    assert ahead.take(["a"]) is None             # nothing stashed yet, but the pattern is seen
+    assert ahead.wants(["a"])
+    stash = Stash()
+    ahead.pushed(["a"], stash)
+    assert ahead.take(["a"]) == [stash] and ahead.take(["a"]) is None   # taken once
+    ahead.pushed(["a"], Stash())
+    ahead.pushed(["a"], Stash())                 # pushed twice without a pull
+    assert ahead.wants(["a"])                    # one miss is forgiven
+    ahead.pushed(["a"], Stash())
+    assert not ahead.wants(["a"])
+    ahead.pushed(["b"], None)
+    ahead.take(["b"])
+    ahead.pushed(["b"], Stash())
+    ahead.drop(["b"])                            # any other call on the key drops what was stashed
+    assert ahead.take(["b"]) is None
