@@ -3,9 +3,10 @@
     kvps scheduler --port 0 --num-workers 2 --num-servers 1
     kvps server --scheduler 127.0.0.1:9091 [--plugin my_rules]
     kvps launch -n 2 -s 1 [--launcher local|ssh] [-H hostfile] [--env K=V] [--straggler 1=fixed:0.05] -- python train.py
-    kvps bench pushpull|kernels|compare [options]
+    kvps bench pushpull|priority|kernels|compare [options]
     kvps emulate -n 4 -s 1 -- python train.py                   # on emulated hosts (root)
     kvps experiment --quick                                     # train real models in every mode; report
+    kvps fuzz --frames 100000 [--seed S]                        # hostile frames at a job's daemons; report
     kvps info
 """
 import argparse
@@ -70,8 +71,8 @@ def parser():
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     s.set_defaults(fn=cmd_launch)
 
-    s = sub.add_parser("bench", help="benchmarks: pushpull, kernels, compare")
-    s.add_argument("what", choices=("pushpull", "kernels", "compare"))
+    s = sub.add_parser("bench", help="benchmarks: pushpull, priority, kernels, compare")
+    s.add_argument("what", choices=("pushpull", "priority", "kernels", "compare"))
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
 
@@ -81,6 +82,9 @@ def parser():
     sub.add_parser("experiment", add_help=False,
                    help="train real models under every consistency mode, with and without a straggler; "
                         "write a report (docs/experiment.md)")
+
+    sub.add_parser("fuzz", add_help=False,
+                   help="send hostile frames to a job's daemons; report crashes and memory (kvps/tools/fuzz)")
 
     s = sub.add_parser("info", help="print the kernel backend, CPU features and CUDA status")
     s.set_defaults(fn=cmd_info)
@@ -102,6 +106,9 @@ def main(argv=None):
     if argv[:1] == ["experiment"]:       # its own parser too (kvps/tools/experiment/cli.py)
         from kvps.tools.experiment import main as experiment_main
         return experiment_main(argv[1:])
+    if argv[:1] == ["fuzz"]:             # and kvps/tools/fuzz
+        from kvps.tools.fuzz import main as fuzz_main
+        return fuzz_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         return args.fn(args) or 0

@@ -42,6 +42,12 @@ VARIABLES = (
                                                "per server), dealt round the servers"),
     Var("KVPS_MESSAGE_BYTES", 4 << 20, int, "a call's data to one server goes in messages of about this size, so "
                                            "the server can answer early ones while later ones arrive"),
+    Var("KVPS_SEND_CREDIT", 4 << 20, int, "a worker hands the network at most this many bytes of data messages "
+                                          "at a time, so a call with a higher priority overtakes bulk already "
+                                          "queued (ByteScheduler's credit; 0: send in call order, priority ignored)"),
+    Var("KVPS_MAX_MESSAGE_BYTES", 2 << 30, int, "the biggest frame a node accepts (ZMQ_MAXMSGSIZE on every socket): "
+                                                "zmq drops a peer that sends a bigger one, so garbage of any size "
+                                                "costs no memory"),
     Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
                                             "this size (Horovod's fusion threshold)"),
     Var("KVPS_RING_CHUNK_BYTES", 4 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
@@ -110,6 +116,8 @@ class Config:
     bigarray_bound: int = _default("bigarray_bound")
     partition_bytes: int = _default("partition_bytes")
     message_bytes: int = _default("message_bytes")
+    send_credit: int = _default("send_credit")
+    max_message_bytes: int = _default("max_message_bytes")
     fusion_bytes: int = _default("fusion_bytes")
     ring_chunk_bytes: int = _default("ring_chunk_bytes")
     kernels: str = _default("kernels")
@@ -144,6 +152,8 @@ class Config:
         if self.straggler:
             from kvps.straggler import parse
             parse(self.straggler)
+        if self.max_message_bytes < 1:
+            raise ConfigError(f"KVPS_MAX_MESSAGE_BYTES={self.max_message_bytes} must be at least 1")
         if self.bigarray_bound < 1:
             raise ConfigError(f"KVPS_BIGARRAY_BOUND={self.bigarray_bound} must be at least 1")
 

@@ -20,12 +20,28 @@ import threading
 import time
 
 from kvps.wire.membership import node_name
-from kvps.wire.protocol import Header, Op, error_header
+from kvps.wire.protocol import Header, Op, error_header, quote
+from kvps.wire.throttle import escape
 from kvps.wire.transport import Van
 
 log = logging.getLogger("kvps.scheduler")
 
 GROUPS = {"workers": ("worker",), "servers": ("server",), "all": ("server", "worker")}
+
+
+def _bad_address(role, meta):
+    """Why a REGISTER's address fields cannot be handed to the other nodes (which connect to them),
+    or None. Checked here, so one bad node is refused instead of breaking every other node."""
+    host, port, mode = meta["host"], meta["port"], meta.get("mode", "")
+    if not (0 < len(host) <= 255 and host.isprintable() and " " not in host):
+        return f"host {quote(host)} is not a host name or address"
+    if not (1 if role == "server" else 0) <= port <= 65535:
+        return f"port {port} is not a port number" + (" (a server needs its port)" if role == "server" else "")
+    if not (len(mode) <= 64 and mode.isprintable()):
+        return f"mode {quote(mode)} is not a kvstore mode"
+    if meta["pid"] < 0:
+        return f"pid {meta['pid']} is not a process id"
+    return None
 
 
 @dataclasses.dataclass
@@ -53,6 +69,8 @@ class Scheduler:
     def __init__(self, cfg, host="127.0.0.1", port=0):
         self.cfg = cfg
         self.van = Van("H", self._on_message)
+        self.van.limit_messages(cfg.max_message_bytes)
+        self.van.when_dead(self._io_died)
         self.port = self.van.bind(host, port)
         self.host = host
         self.members = []                       # in registration order
@@ -78,6 +96,12 @@ class Scheduler:
         self.exit_code = code
         self._done.set()
 
+    def _io_died(self, exc):
+        """The I/O thread died (a bug: it survives anything a peer sends): exit 1 at once rather
+        than linger answering nobody; the nodes then see the scheduler's silence."""
+        log.critical("H: the I/O thread died (%s); exiting", type(exc).__name__)
+        self.stop(1)
+
     # ---- messages (I/O thread) ----
     def _on_message(self, source, header, payloads):
         routing_id = source[1]
@@ -99,7 +123,7 @@ class Scheduler:
             self._refuse(routing_id, header, f"the scheduler does not handle {op.name}")
 
     def _refuse(self, routing_id, header, message, kind="protocol"):
-        log.warning("H: %s", message)
+        self.van.complaints(log, logging.WARNING, "H: %s", escape(message))
         self.van.reply(routing_id, error_header(header.id, "H", kind, message))
 
     def _register(self, routing_id, header):
@@ -107,7 +131,10 @@ class Scheduler:
         role = meta["role"]
         want = {"server": self.cfg.num_servers, "worker": self.cfg.num_workers}
         if role not in want:
-            return self._refuse(routing_id, header, f"REGISTER with role {role[:60]!r} (expected server or worker)")
+            return self._refuse(routing_id, header, f"REGISTER with role {quote(role)} (expected server or worker)")
+        bad = _bad_address(role, meta)
+        if bad:
+            return self._refuse(routing_id, header, f"REGISTER of a {role}: {bad}", kind="value")
         if self.formed:
             return self._refuse(routing_id, header, f"a {role} (pid {meta['pid']}) tried to join a job that "
                                                     f"already has all {want[role]} {role}s", kind="error")
@@ -118,7 +145,7 @@ class Scheduler:
                         meta.get("mode", ""), time.monotonic())
         self.members.append(member)
         self.by_routing[routing_id] = member
-        log.info("H: %s registered from %s:%d", member.name, member.host, member.port)
+        log.info("H: %s registered from %s:%d", member.name, escape(member.host), member.port)
         if len(self.members) == self.cfg.num_servers + self.cfg.num_workers:
             self._form()
 
@@ -156,7 +183,7 @@ class Scheduler:
         group = header.meta["group"]
         if group not in GROUPS:
             return self._refuse(member.routing_id, header,
-                                f"barrier group {group[:60]!r} is not one of {sorted(GROUPS)}",
+                                f"barrier group {quote(group)} is not one of {sorted(GROUPS)}",
                                 kind="value")
         self.barriers[group].append((member.routing_id, header.id, member.name))
         self._release(group)

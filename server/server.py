@@ -17,8 +17,9 @@ import numpy as np
 from kvps import kernels
 from kvps.ps import compression
 from kvps.errors import KVValueError, NodeFailure, ProtocolError, describe, error_kind
-from kvps.wire.membership import Node, advertised_host
-from kvps.wire.protocol import DType, Entry, Header, Op, as_array, error_header, numpy_dtype
+from kvps.wire.membership import Node, advertised_host, parse_name
+from kvps.wire.protocol import MAX_ROW_IDS, DType, Entry, Header, Op, as_array, error_header, numpy_dtype, quote
+from kvps.wire.throttle import escape
 
 from kvps.ps.store import Store
 from kvps.ps.rules import Registry
@@ -96,7 +97,7 @@ class Server(Node):
     # ---- node hooks (I/O thread) ----
     def on_membership(self, meta):
         try:
-            self.store = Store(len(meta["workers"]), meta["mode"], sent_timeout=self.cfg.timeout)
+            self.store = Store(len(meta["workers"]), meta["mode"])
             log.info("%s: consistency %s", self.name, self.store.consistency.wire())
         except (ProtocolError, ValueError) as exc:
             # Not fatal here: every request is answered with the reason, so the workers fail with a
@@ -113,15 +114,21 @@ class Server(Node):
         self._end(0)
 
     def on_worker_left(self, node):
-        if self.store is not None and node.startswith("W"):
-            self.store.worker_gone(int(node[1:]), f"worker {node} has left the job (closed its kvstore)")
+        role, rank = parse_name(node)
+        if self.store is not None and role == "worker":
+            self.store.worker_gone(rank, f"worker {node} has left the job (closed its kvstore)")
 
     def on_failure(self, node, failure):
-        if node == "H":
+        role, rank = parse_name(node)
+        if role == "scheduler":
             log.error("%s: %s; exiting", self.name, failure)
             self._end(1)
-        elif self.store is not None and node and node.startswith("W"):
-            self.store.worker_gone(int(node[1:]), str(failure))
+        elif self.store is not None and role == "worker":
+            self.store.worker_gone(rank, str(failure))
+
+    def on_io_death(self, failure):
+        log.critical("%s: %s; exiting", self.name, failure)
+        self._end(1)
 
     def _end(self, code):
         if self.exit_code is None:
@@ -148,14 +155,33 @@ class Server(Node):
             worker = self._worker(header.src)
             handler(self, routing_id, header, payloads, worker)
         except Exception as exc:
-            log.warning("%s: %s from %s refused: %s", self.name, header.op.name, header.src, describe(exc))
+            self.van.complaints(log, logging.WARNING, "%s: %s from %s refused: %s", self.name, header.op.name,
+                                quote(header.src), escape(describe(exc)))
             self.reply_error(routing_id, header, exc)
 
     def _worker(self, src):
         num = self.store.num_workers
-        if not (src[:1] == "W" and src[1:].isdigit() and int(src[1:]) < num):
-            raise ProtocolError(f"request from {src!r}, which is not one of this job's {num} workers")
-        return int(src[1:])
+        role, rank = parse_name(src)
+        if not (role == "worker" and rank < num):
+            raise ProtocolError(f"request from {quote(src)}, which is not one of this job's {num} workers "
+                                f"(W0 .. W{num - 1})")
+        return rank
+
+    @staticmethod
+    def _row_request(header, pairs, once):
+        """Refuse a row-sparse request that carries more than MAX_ROW_IDS row ids or (`once`: a
+        pull) names a (key, part) twice: with unique ids, a reply is then never bigger than what
+        the server holds (a 40 KB request of one row 5,000 times built a 400 MB reply)."""
+        seen, total = set(), 0
+        for e, ids in pairs:
+            if once and (e.key, e.part) in seen:
+                raise KVValueError(f"{header.op.name} names key {quote(e.key)} part {e.part} twice; "
+                                   f"ask for each part once, with all its rows")
+            seen.add((e.key, e.part))
+            total += ids.size
+        if total > MAX_ROW_IDS:
+            raise KVValueError(f"{header.op.name} carries {total} row ids; a request carries at most "
+                               f"{MAX_ROW_IDS} (MAX_ROW_IDS)")
 
     def _arrays(self, header, payloads, need):
         """[(entry, array or None)]; checks each entry's payload is there when `need`."""
@@ -164,9 +190,9 @@ class Server(Node):
         for e in header.keys:
             array = as_array(next(frames), e) if e.nbytes else None
             if array is None and need:
-                array = np.empty(e.shape, numpy_dtype(e.dtype))
-                if array.size:
+                if math.prod(e.shape):      # checked before allocating: the shape is the peer's
                     raise KVValueError(f"{header.op.name} of key {e.key!r} carries no value")
+                array = np.empty(e.shape, numpy_dtype(e.dtype))
             out.append((e, array))
         return out
 
@@ -177,7 +203,7 @@ class Server(Node):
     def _init(self, routing_id, header, payloads, worker):
         entries = self._arrays(header, payloads, need=False)
         for e, array in entries:
-            if array is None and worker == 0 and int(np.prod(e.shape)) > 0:
+            if array is None and worker == 0 and math.prod(e.shape) > 0:
                 raise KVValueError(f"INIT of key {e.key!r} from rank 0 carries no value")
         reply = Reply(self, routing_id, header, len(entries), values=False)
         for i, (e, array) in enumerate(entries):
@@ -222,8 +248,9 @@ class Server(Node):
 
     def _row_sparse_pull(self, routing_id, header, payloads, worker):
         entries = self._arrays(header, payloads, need=True)
+        self._row_request(header, entries, once=True)
         for e, ids in entries:
-            self.store.check_rows(self.store.slot(e.key, e.part), ids)
+            self.store.check_rows(self.store.slot(e.key, e.part), ids, unique=True)
         reply = Reply(self, routing_id, header, len(entries), values=True)
         for i, (e, ids) in enumerate(entries):
             self.store.pull(worker, e.key, e.part, reply.callback(i), rows=ids)
@@ -237,6 +264,8 @@ class Server(Node):
         for (ids_entry, ids), (e, rows) in pairs:
             if (ids_entry.key, ids_entry.part) != (e.key, e.part):
                 raise ProtocolError(f"ROW_SPARSE_PUSH pairs row ids of key {ids_entry.key!r} with rows of {e.key!r}")
+        self._row_request(header, [(ids_entry, ids) for (ids_entry, ids), _ in pairs], once=False)
+        for (ids_entry, ids), (e, rows) in pairs:
             self.store.check_sparse(self.store.slot(e.key, e.part), ids, rows)
         reply = Reply(self, routing_id, header, len(pairs), values=False)
         for i, ((_, ids), (e, rows)) in enumerate(pairs):

@@ -4,6 +4,7 @@
     kernels/   the compute kernels of every backend against the numpy reference
     cluster/   real scheduler, server and worker processes on 127.0.0.1
     tools/     kvps bench, emulate and experiment, end to end
+    fuzz/      hostile frames (hypothesis) at real daemons, then a real job (well under a minute)
     gpu/       CUDA kernels on a GPU (skipped without one)
 """
 import pathlib
@@ -12,7 +13,7 @@ import pytest
 
 from harness import Cluster
 
-TIERS = ("unit", "kernels", "cluster", "tools", "gpu")
+TIERS = ("unit", "kernels", "cluster", "tools", "fuzz", "gpu")
 HERE = pathlib.Path(__file__).parent
 
 

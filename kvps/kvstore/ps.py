@@ -7,8 +7,9 @@ that thread. The worker finds the scheduler through KVPS_SCHEDULER (or MXNet's
 DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT) and leaves the job on close() or exit.
 """
 import collections
-import math
 import logging
+import math
+import numbers
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from kvps.wire.requests import Handle, remember
 from kvps.kvstore.base import KeyInfo, KVStore
 from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.membership import Worker
-from kvps.wire.protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
+from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
 
@@ -32,7 +33,8 @@ def _bytes(array):
 
 class Messages:
     """A call's requests: per server, entries gathered into messages of about `limit` bytes, so a
-    server can work on (and answer) the first ones while the rest are still on the wire."""
+    server can work on (and answer) the first ones while the rest are still on the wire, and of at
+    most MAX_ENTRIES entries, which is all a server decodes."""
 
     def __init__(self, limit, meta=None):
         self.limit = limit
@@ -47,7 +49,8 @@ class Messages:
         """Entries [(entry, payload or None, size)] that must travel in one message."""
         total = sum(size for _, _, size in items)
         message = self._open.get(server)
-        if message is None or (message[2] and message[2] + total > self.limit):
+        if message is None or (message[2] and message[2] + total > self.limit) or \
+                len(message[0]) + len(items) > MAX_ENTRIES:
             message = self._open[server] = [[], [], 0]
             self._all.append((server, message))
         for entry, payload, _ in items:
@@ -98,14 +101,17 @@ class DistKVStore(KVStore):
     num_servers = property(lambda self: self._num_servers)
 
     # ---- plumbing ----
-    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=()):
-        """Send the requests of a Messages batch under one Handle; returns it."""
+    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=(), priority=0):
+        """Send the requests of a Messages batch under one Handle; returns it. Higher priorities
+        leave first among the requests waiting for the network (kvps/wire/schedule.py)."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
         self._check_returned()
         items = [(f"S{server}", Header(op, keys=entries, meta=dict(messages.meta)), payloads, on_reply)
                  for server, entries, payloads in messages]
-        handle = self._node.request_many(items, what, keep=keep)
+        handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
         handle.then = then
         if async_op:
             remember(self._pending, handle)
@@ -194,7 +200,7 @@ class DistKVStore(KVStore):
         """Returns once the values are copied (blocking form) and the round goes on in the background:
         a later pull of the same key sees it, and its error is raised by the next call."""
         if row_ids is not None:
-            return self._push_rows(key, value, row_ids, async_op)
+            return self._push_rows(key, value, row_ids, async_op, priority)
         items = self._values(key, value, "push")
         self._straggle(items)
         keys = [info.key for info, _ in items]
@@ -202,15 +208,15 @@ class DistKVStore(KVStore):
         if async_op:
             self._forget(keys)
             messages = self._with_values(items, self._codec)
-            return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True)
+            return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True, priority=priority)
         items = [(info, self._private(info, array)) for info, array in items]
         messages = self._with_values(items, self._codec)
         stash = Stash() if self._ahead is not None and self._ahead.wants(keys) else None
         if stash is None:
-            handle = self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=None)
+            handle = self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=None, priority=priority)
         else:
             handle = stash.handle = self._send(Op.PUSHPULL, what, messages, on_reply=stash.keep,
-                                               keep=(items, messages), async_op=None)
+                                               keep=(items, messages), async_op=None, priority=priority)
         if self._ahead is not None:
             self._ahead.pushed(keys, stash)
         for info, array in items:
@@ -218,13 +224,18 @@ class DistKVStore(KVStore):
         self._returned_early(handle)
         return handle
 
-    def _push_rows(self, key, value, row_ids, async_op):
+    def _push_rows(self, key, value, row_ids, async_op, priority):
         """A row-sparse push: per part of each key, its local row ids and those rows (the ids and
         the rows are fresh arrays, so the caller may reuse its own at once)."""
         sparse = self._sparse_values(key, value, row_ids, "push")
+        for info, ids, _ in sparse:
+            if ids.size > MAX_ROW_IDS:
+                raise ValueError(f"a row-sparse push of key {info.key!r} has {ids.size} rows; a call pushes "
+                                 f"at most {MAX_ROW_IDS} (push them in smaller batches)")
         self._straggle([(info, rows) for info, _, rows in sparse])
         self._forget([info.key for info, _, _ in sparse])
-        messages = Messages(self.cfg.message_bytes)
+        # each message carries at most MAX_ROW_IDS ids: its bytes bound them (8 per id, then the rows)
+        messages = Messages(min(self.cfg.message_bytes, 8 * MAX_ROW_IDS))
         for info, ids, rows in sparse:
             if rows.base is not None:
                 rows = rows.copy()
@@ -238,7 +249,7 @@ class DistKVStore(KVStore):
                      part_rows.nbytes)])
         what = self._what("row-sparse push", [info for info, _, _ in sparse])
         handle = self._send(Op.ROW_SPARSE_PUSH, what, messages, keep=(sparse, messages),
-                            async_op=True if async_op else None)
+                            async_op=True if async_op else None, priority=priority)
         if not async_op:
             self._returned_early(handle)
         return handle
@@ -263,7 +274,7 @@ class DistKVStore(KVStore):
         if stashes is not None:
             return self._pulled_ahead(items, stashes)
         return self._send(Op.PULL, self._what("pull", infos), self._bare(infos), on_reply=self._filler(items),
-                          keep=items, async_op=async_op, then=_finishers(items))
+                          keep=items, async_op=async_op, then=_finishers(items), priority=priority)
 
     def _pulled_ahead(self, items, stashes):
         """A pull served by the replies of the PUSHPULLs its keys' pushes went as."""
@@ -285,37 +296,57 @@ class DistKVStore(KVStore):
         messages = self._with_values(values, self._codec)
         return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), messages,
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
-                          then=_finishers(outs))
+                          then=_finishers(outs), priority=priority)
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
         items = self._outs(key, out, "row_sparse_pull")
         self._forget([info.key for info, _ in items])
-        ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")
-        messages = Messages(self.cfg.message_bytes)
-        dests = {}
+        ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")     # sorted, unique
+        # A key named twice in one call is asked for once, with the union of its rows (a server
+        # refuses a part named twice, or repeated rows), and each out gets its own rows back.
+        asks = {}
         for (info, outs), ids in zip(items, ids_per_key):
+            asks.setdefault(info.key, (info, []))[1].append((outs, ids))
+        wanted = []
+        for info, wants in asks.values():
+            ids = wants[0][1] if len(wants) == 1 else np.unique(np.concatenate([i for _, i in wants]))
+            if ids.size > MAX_ROW_IDS:
+                raise ValueError(f"row_sparse_pull of key {info.key!r} asks for {ids.size} rows; a call asks "
+                                 f"for at most {MAX_ROW_IDS} (pull them in smaller batches)")
+            wanted.append((info, wants, ids))
+        for outs, _ in (w for _, wants, _ in wanted for w in wants):
             for o in outs:
                 o.array[...] = 0
+        # each message carries at most MAX_ROW_IDS ids: its reply bytes bound them (a row is >= 1 byte)
+        messages = Messages(min(self.cfg.message_bytes, MAX_ROW_IDS))
+        dests = {}
+        for info, wants, ids in wanted:
             for part, local, positions in sharding.split_rows(info.parts, ids):
                 messages.add(part.server, Entry.of(info.key, part.index, local), _bytes(local),
-                             local.size * part.row_size * info.dtype.itemsize)
-                dests[(info.key, part.index)] = (info, outs, ids[positions])
+                             local.size * max(1, part.row_size * info.dtype.itemsize))
+                dests[(info.key, part.index)] = (info, wants, ids[positions])
 
         def fill(header, payloads):
             frames = iter(payloads)
             for entry in header.keys:
                 frame = next(frames) if entry.nbytes else None
-                info, outs, rows = dests[(entry.key, entry.part)]
+                info, wants, rows = dests[(entry.key, entry.part)]
                 if entry.dtype != dtype_code(info.dtype) or tuple(entry.shape[1:]) != info.shape[1:] or \
                         entry.shape[0] != rows.size:
                     raise ProtocolError(f"row_sparse_pull reply for key {entry.key!r} is {entry.shape}; "
                                         f"expected {rows.size} rows of {info.shape[1:]}")
                 if frame is not None:
                     values = as_array(frame, entry)
-                    for o in outs:
-                        o.array[rows] = values
+                    for outs, ids in wants:
+                        mine, got = rows, values
+                        if len(wants) > 1:
+                            keep = np.isin(rows, ids, assume_unique=True)
+                            mine, got = rows[keep], values[keep]
+                        for o in outs:
+                            o.array[mine] = got
         return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", [i for i, _ in items]), messages,
-                          on_reply=fill, keep=(items, messages), async_op=async_op, then=_finishers(items))
+                          on_reply=fill, keep=(items, messages), async_op=async_op, then=_finishers(items),
+                          priority=priority)
 
     def set_optimizer(self, optimizer):
         spec = optimizer.spec()

@@ -114,7 +114,7 @@ def _sum_rows(pushes, dtype):
 class Store:
     """All slots of one server, in one consistency mode, with an optional update rule (kvps.ps.rules.RuleState)."""
 
-    def __init__(self, num_workers, mode="sync", sent_timeout=60.0):
+    def __init__(self, num_workers, mode="sync"):
         """`mode`: a Consistency or its wire string. Raises ProtocolError for a bad wire string and
         ValueError for a mode this many workers cannot run (backups >= workers)."""
         self.consistency = mode if isinstance(mode, Consistency) else Consistency.from_wire(mode)
@@ -124,7 +124,6 @@ class Store:
         self.clocks = Clocks(num_workers, self.consistency)
         self.rule = None
         self.slots = {}
-        self.sent_timeout = sent_timeout
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
                       "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
                       "staleness": self.clocks.staleness}
@@ -149,8 +148,9 @@ class Store:
                                f"got {_show(dtype, shape)}")
         return slot
 
-    def check_rows(self, slot, rows):
-        """Raise KVValueError unless `rows` is a 1-D int64 array of row ids within the slot."""
+    def check_rows(self, slot, rows, unique=False):
+        """Raise KVValueError unless `rows` is a 1-D int64 array of row ids within the slot (and,
+        when `unique`, sorted without repeats: what a peer asks for can then never exceed the value)."""
         if rows.dtype != np.int64 or rows.ndim != 1:
             raise KVValueError(f"row ids for {slot.name()} must be a 1-D int64 array, got {rows.dtype} {rows.shape}")
         if not slot.shape:
@@ -158,12 +158,13 @@ class Store:
         if rows.size and (rows.min() < 0 or rows.max() >= slot.shape[0]):
             raise KVValueError(f"{slot.name()} holds {slot.shape[0]} rows; row ids "
                                f"{int(rows.min())}..{int(rows.max())} are out of range")
+        if unique and rows.size > 1 and not np.all(rows[1:] > rows[:-1]):
+            raise KVValueError(f"row ids for {slot.name()} must be sorted and unique (a repeated row is "
+                               f"refused: it would only make the reply bigger)")
 
     def check_sparse(self, slot, rows, array):
         """Raise KVValueError unless a row-sparse push's ids and rows fit the slot."""
-        self.check_rows(slot, rows)
-        if rows.size > 1 and not np.all(rows[1:] > rows[:-1]):
-            raise KVValueError(f"row ids of a row-sparse push to {slot.name()} must be sorted and unique")
+        self.check_rows(slot, rows, unique=True)
         want = (rows.size,) + slot.shape[1:]
         if array.dtype != slot.dtype or array.shape != want:
             raise KVValueError(f"a row-sparse push of {rows.size} rows to {slot.name()} needs "
@@ -310,7 +311,7 @@ class Store:
 
     def _apply(self, slot, grad):
         """Apply one (summed) push to the value in place."""
-        self._settle(slot)
+        self._own(slot)
         if type(grad) is Rows:
             if self.rule is not None:
                 self.rule.update_rows(slot.id, slot.value, grad.ids, grad.values)
@@ -369,11 +370,15 @@ class Store:
     def _settled(self, slot):
         return all(t.done for t in slot.sent)
 
-    def _settle(self, slot):
-        for tracker in slot.sent:
-            if not tracker.done:
-                tracker.wait(self.sent_timeout)
-        slot.sent = []
+    def _own(self, slot):
+        """Make slot.value safe to change in place without waiting: while zmq still sends a reply
+        from it (a peer may never read), the value moves to a copy and zmq keeps the old buffer,
+        which its reply holds alive. The update then runs on the same numbers, so results are
+        bit-identical; the I/O thread never blocks on a peer."""
+        if slot.sent:
+            if not self._settled(slot):
+                slot.value = slot.value.copy()
+            slot.sent = []
 
     # ---- membership ----
     def worker_joined(self, worker):

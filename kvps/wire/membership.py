@@ -21,6 +21,7 @@ import time
 from kvps.errors import KVPSError, NodeFailure, describe
 from kvps.wire.requests import Handle, Requests, node_failure
 from kvps.wire.protocol import Header, Op
+from kvps.wire.throttle import escape
 from kvps.wire.transport import Van
 
 log = logging.getLogger("kvps.node")
@@ -51,6 +52,23 @@ def node_name(role, rank):
     return {"scheduler": "H", "server": "S", "worker": "W"}[role] + ("" if role == "scheduler" else str(rank))
 
 
+_ROLE_OF = {"S": "server", "W": "worker"}
+
+
+def parse_name(name):
+    """(role, rank) of a canonical node name (the inverse of node_name): ("scheduler", None) for
+    "H", ("worker", 3) for "W3"; (None, None) for anything else. Only ASCII digits without leading
+    zeros count, so "W00", "W\u0660" (an Arabic-Indic zero) or "W+1" never pass as W0 or W1."""
+    if name == "H":
+        return "scheduler", None
+    if type(name) is not str or not 2 <= len(name) <= 12 or name[0] not in _ROLE_OF:
+        return None, None
+    digits = name[1:]
+    if not (digits.isascii() and digits.isdigit()) or (digits[0] == "0" and len(digits) > 1):
+        return None, None
+    return _ROLE_OF[name[0]], int(digits)
+
+
 class Node:
     """A registered member of a kvps job. Subclasses handle their own data messages."""
 
@@ -61,7 +79,11 @@ class Node:
         self.rank = None
         self.membership = None
         self.requests = Requests()
-        self.van = Van(f"{role}-{os.getpid()}", self._on_message, self._on_bad)
+        # Only a worker's requests carry priorities (servers answer in arrival order).
+        credit = cfg.send_credit if role == "worker" else 0
+        self.van = Van(f"{role}-{os.getpid()}", self._on_message, self._on_bad, credit=credit)
+        self.van.limit_messages(cfg.max_message_bytes)
+        self.van.when_dead(self._io_died)
         self._meta = dict(meta or {})
         self._last_heard = time.monotonic()
         self.failure = None             # NodeFailure once the job is broken
@@ -129,14 +151,15 @@ class Node:
         """Send one request; returns its Handle."""
         return self.request_many([(peer, header, payloads, on_reply)], what, timeout, keep)
 
-    def request_many(self, items, what, timeout=None, keep=()):
-        """Send several requests [(peer, header, payloads, on_reply)] under one Handle."""
+    def request_many(self, items, what, timeout=None, keep=(), priority=None):
+        """Send several requests [(peer, header, payloads, on_reply)] under one Handle; data requests
+        pass their call's priority (kvps/wire/schedule.py)."""
         handle = Handle(what, self.cfg.timeout if timeout is None else timeout, keep)
         try:
             for peer, header, payloads, on_reply in items:
                 header.id = self.requests.add(handle, peer, on_reply)
                 header.src = self.name
-                self.van.send(peer, header, payloads)
+                self.van.send(peer, header, payloads, priority=priority)
         finally:
             handle._arm()
         return handle
@@ -169,7 +192,8 @@ class Node:
             self._last_heard = time.monotonic()
         if header.op in REPLY_OPS:
             if header.id and not self.requests.answer(header, payloads) and header.op == Op.ERROR:
-                log.warning("%s: unsolicited error from %s: %s", self.name, who, header.meta.get("message"))
+                self.van.complaints(log, logging.WARNING, "%s: unsolicited error from %s: %s", self.name, who,
+                                    escape(header.meta.get("message")))
         elif header.op == Op.NODE_FAILED:
             self._node_failed(header.meta)
         elif header.op == Op.NODE_LEFT:
@@ -178,13 +202,24 @@ class Node:
         elif header.op == Op.SHUTDOWN:
             self.on_shutdown()
         else:
-            log.warning("%s: unexpected %s from %s dropped", self.name, header.op.name, who)
+            self.van.complaints(log, logging.WARNING, "%s: unexpected %s from %s dropped", self.name,
+                                header.op.name, who)
 
     def _on_bad(self, source, exc):
         if source[0] == "peer":
             # A peer we talk to sent something we cannot read (e.g. another protocol
             # version): what we asked of it will never be answered.
             self.requests.fail(type(exc)(f"{source[1]}: {describe(exc)}"), peer=source[1])
+
+    def _io_died(self, exc):
+        """The I/O thread died (a bug; it survives anything a peer sends): every pending and later
+        call fails with a NodeFailure saying so, and on_io_death makes a daemon exit non-zero."""
+        failure = NodeFailure(f"{self.name}: this node's I/O thread died ({type(exc).__name__}: "
+                              f"{escape(describe(exc))}); it can no longer reach the job")
+        self.failure = self.failure or failure
+        self.requests.fail_all(failure)
+        self._end_waits(failure)
+        self.on_io_death(failure)
 
     def _node_failed(self, meta):
         failure = node_failure(meta)
@@ -209,7 +244,7 @@ class Node:
         pass
 
     def on_client(self, routing_id, header, payloads):
-        log.warning("%s: unexpected request %r dropped", self.name, header)
+        self.van.complaints(log, logging.WARNING, "%s: unexpected request %r dropped", self.name, header)
 
     def on_failure(self, node, failure):
         pass
@@ -219,6 +254,9 @@ class Node:
 
     def on_shutdown(self):
         pass
+
+    def on_io_death(self, failure):
+        """The I/O thread died (on that thread, as it ends); a daemon exits non-zero here."""
 
 
 class Worker(Node):
@@ -274,4 +312,4 @@ class Worker(Node):
             for handler in handlers:
                 handler(header, payloads)
         else:
-            log.warning("%s: unexpected %r dropped", self.name, header)
+            self.van.complaints(log, logging.WARNING, "%s: unexpected %r dropped", self.name, header)

@@ -21,8 +21,10 @@ Header fields (all required; unknown fields are refused):
 
 `decode` checks every field, meta included, by exact type, so a value nested where a scalar
 belongs (or deeper than its declared type) is refused at the first level it does not fit, and
-error texts quote a bounded extract of what came in. Payloads never go inside msgpack, and nothing
-received is ever unpickled. docs/wire.md holds SCHEMA as tables (`schema_markdown()`);
+error texts quote a bounded extract of what came in. Decoding is bounded before it starts: a
+header over MAX_HEADER_BYTES is refused unread, and msgpack itself refuses any list longer than
+MAX_ENTRIES (so a header's entries, and every list in its meta) and any string over 1 MiB.
+Payloads never go inside msgpack, and nothing received is ever unpickled. docs/wire.md holds SCHEMA as tables (`schema_markdown()`);
 `python tests/unit/test_wire_schema.py --write` regenerates them.
 """
 import dataclasses
@@ -36,6 +38,14 @@ from kvps.dtypes import BY_CODE, DType, dtype_code, numpy_dtype  # noqa: F401 (t
 from kvps.errors import ProtocolError, VersionMismatch
 
 VERSION = 1
+
+# What a peer can make a decoder hold, checked before the work it would cause. The biggest header
+# kvps sends (MAX_ENTRIES entries with long str keys) is a few MB and decodes in about 0.1 s; the
+# worst one within these limits takes about 0.3 s (65,536 entries of 64 dimensions).
+MAX_HEADER_BYTES = 8 << 20
+MAX_ENTRIES = 1 << 16           # entries per message, and items in any list of a header
+MAX_NDIM = 64                   # numpy's own limit on dimensions
+MAX_ROW_IDS = 1 << 24           # row ids in one ROW_SPARSE_PULL or ROW_SPARSE_PUSH (unique, per (key, part))
 
 
 class Op(enum.IntEnum):
@@ -322,6 +332,7 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 _show = _REPR.repr
+quote = _REPR.repr      # for logs too: a bounded extract, control characters escaped (no forged lines)
 
 
 class Header:
@@ -336,13 +347,22 @@ class Header:
         self.meta = {} if meta is None else meta
 
     def encode(self):
-        return msgpack.packb({"v": VERSION, "op": int(self.op), "id": self.id, "src": self.src,
-                              "keys": [[e[0], e[1], int(e[2]), list(e[3]), e[4]] for e in self.keys],
-                              "meta": self.meta}, use_bin_type=True)
+        """The header frame; raises ProtocolError for one no peer would decode (see MAX_HEADER_BYTES)."""
+        if len(self.keys) > MAX_ENTRIES:
+            raise ProtocolError(f"{self.op.name} has {len(self.keys)} entries; a message carries at most "
+                                f"{MAX_ENTRIES} (MAX_ENTRIES)")
+        frame = msgpack.packb({"v": VERSION, "op": int(self.op), "id": self.id, "src": self.src,
+                               "keys": [[e[0], e[1], int(e[2]), list(e[3]), e[4]] for e in self.keys],
+                               "meta": self.meta}, use_bin_type=True)
+        if len(frame) > MAX_HEADER_BYTES:
+            raise ProtocolError(f"{self.op.name} header is {len(frame)} bytes; a header holds at most "
+                                f"{MAX_HEADER_BYTES} (MAX_HEADER_BYTES)")
+        return frame
 
     def __repr__(self):
         nbytes = sum(e.nbytes for e in self.keys)
-        return f"{self.src} {self.op.name} id={self.id} keys={len(self.keys)} {_size(nbytes)}"
+        src = self.src if len(self.src) <= 40 and self.src.isprintable() else _show(self.src)   # from a peer
+        return f"{src} {self.op.name} id={self.id} keys={len(self.keys)} {_size(nbytes)}"
 
 
 def _size(n):
@@ -355,9 +375,11 @@ def _size(n):
 
 def decode(frame):
     """Decode and validate a header frame; raises ProtocolError naming the bad field."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header is {len(frame)} bytes; a header holds at most {MAX_HEADER_BYTES}")
     try:
         raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=1 << 20,
-                              max_str_len=1 << 20, max_array_len=1 << 24, max_map_len=1 << 16)
+                              max_str_len=1 << 20, max_array_len=MAX_ENTRIES, max_map_len=1 << 16)
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not (type(raw) is dict):
@@ -416,8 +438,8 @@ def _entry(e):
         raise ProtocolError(f"part {_show(part)} of key {_show(key)} is not a part index")
     if not (type(dtype) is int and 0 <= dtype < len(BY_CODE)):
         raise ProtocolError(f"dtype {_show(dtype)} of key {_show(key)} is unknown")
-    if not (type(shape) is list and all(type(d) is int and d >= 0 for d in shape)):
-        raise ProtocolError(f"shape {_show(shape)} of key {_show(key)} is not a list of sizes")
+    if not (type(shape) is list and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+        raise ProtocolError(f"shape {_show(shape)} of key {_show(key)} is not a list of sizes (at most {MAX_NDIM})")
     if not (type(nbytes) is int and nbytes >= 0):
         raise ProtocolError(f"nbytes {_show(nbytes)} of key {_show(key)} is not a size")
     return tuple.__new__(Entry, (key, part, dtype, tuple(shape), nbytes))

@@ -24,10 +24,13 @@ import threading
 import time
 import weakref
 
+import msgpack
 import zmq
 
 from kvps.wire import protocol
-from kvps.errors import KVPSError, ProtocolError, describe
+from kvps.wire.schedule import Schedule
+from kvps.wire.throttle import LogThrottle, escape
+from kvps.errors import KVPSError, ProtocolError, describe, error_kind
 
 log = logging.getLogger("kvps.transport")
 
@@ -47,8 +50,9 @@ class Van:
     message; `source` is ("peer", name) for a DEALER and ("client", routing_id)
     for the ROUTER. on_bad(source, exc) runs for a message that did not decode.
     """
+    _on_death = None                # fn(exc) if the I/O thread dies (when_dead)
 
-    def __init__(self, name, handler, on_bad=None):
+    def __init__(self, name, handler, on_bad=None, credit=0):
         self.name = name
         self._handler = handler
         self._on_bad = on_bad
@@ -72,7 +76,12 @@ class Van:
         self._lock = threading.RLock()
         self._stopping = False          # stop() was called: other threads may queue no more
         self._closed = False            # sockets and wake pipe are closed
+        # Data messages sent with a priority wait here while `credit` bytes are handed to zmq and
+        # not yet written out (kvps/wire/schedule.py); credit 0: everything goes in arrival order.
+        self._schedule = Schedule(credit) if credit else None
+        self._inflight = 0              # bytes of scheduled payloads zmq still holds (under _lock)
         self.port = None
+        self.complaints = LogThrottle()     # bounds the log lines bad input can cause (handlers share it)
 
     # ---- setup (call before start, or from the I/O thread) ----
     def bind(self, host, port=0):
@@ -95,6 +104,17 @@ class Van:
         """Run fn() on the I/O thread every `interval` seconds."""
         self._timers.append([time.monotonic() + interval, interval, fn])
 
+    def limit_messages(self, nbytes):
+        """Refuse (in zmq, which drops the connection) any received frame over `nbytes`
+        (KVPS_MAX_MESSAGE_BYTES), on every socket opened from now on: call it before bind()."""
+        self._ctx.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
+
+    def when_dead(self, fn):
+        """Call fn(exc) on the I/O thread if it ever dies of an exception (a bug: it survives
+        anything a peer sends), before it closes the sockets; the owner must then fail loudly,
+        a daemon by exiting non-zero, never linger answering nothing."""
+        self._on_death = fn
+
     def start(self):
         """Start the I/O thread. Raises KVPSError once stopped (a Van runs once)."""
         with self._lock:
@@ -113,16 +133,27 @@ class Van:
         """Close the DEALER to a peer, dropping what is queued to it (a dead peer never takes it)."""
         self._submit(("disconnect", peer), None)
 
-    def send(self, peer, header, payloads=(), on_sent=None):
+    def send(self, peer, header, payloads=(), on_sent=None, priority=None):
         """Send a message to a connected peer over its DEALER. Raises KVPSError once stopped.
 
         on_sent() is called once zmq no longer reads any of the payloads, whether they were sent,
         dropped (no connection, disconnect, stop) or copied; the caller may change them from then
-        on. It runs on the I/O thread or on pyzmq's garbage-collector thread: keep it short."""
+        on. It runs on the I/O thread or on pyzmq's garbage-collector thread: keep it short.
+
+        With a priority (data messages), the message may overtake waiting ones of lower priority
+        (see kvps/wire/schedule.py); without one, it keeps its place after them."""
         frames = [header.encode(), *payloads]
-        done = None if on_sent is None else _watch(frames, on_sent)
+        if self._schedule is not None and priority is not None:
+            big = sum(memoryview(f).nbytes for f in payloads
+                      if not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_BYTES)
+            keys = tuple({entry.key for entry in header.keys})
+            done = _watch(frames, self._credit_release(big, on_sent)) if big or on_sent else None
+            item = ("data", peer, frames, done, priority, keys, big)
+        else:
+            done = None if on_sent is None else _watch(frames, on_sent)
+            item = ("send", peer, frames, done)
         try:
-            self._submit(("send", peer, frames, done), f"{header.op.name} to {peer}")
+            self._submit(item, f"{header.op.name} to {peer}")
         except KVPSError:
             if done is not None:
                 done()
@@ -200,8 +231,14 @@ class Van:
                     else:
                         self._drain(sock)
                 self._flush()
-        except Exception:
-            log.exception("%s: I/O thread failed", self.name)
+        except BaseException as exc:
+            log.critical("%s: the I/O thread died; this node can no longer send or receive", self.name,
+                         exc_info=True)
+            if self._on_death is not None:
+                try:
+                    self._on_death(exc)
+                except BaseException:
+                    log.exception("%s: the I/O thread's death hook failed", self.name)
             raise
         finally:
             self._close()
@@ -219,12 +256,28 @@ class Van:
                     log.exception("%s: timer %s failed", self.name, timer[2])
         return max(0, int(1000 * (min(t[0] for t in self._timers) - time.monotonic())) + 1)
 
+    def _credit_release(self, nbytes, on_sent):
+        """on_sent for a scheduled message: its bytes leave the window (any thread), then on_sent."""
+        def release():
+            with self._lock:
+                self._inflight -= nbytes
+                if self._schedule and not self._closed:
+                    self._wake()            # waiting messages may fit now
+            if on_sent is not None:
+                on_sent()
+        return release
+
     def _flush(self):
         while self._queue:
             item = self._queue.popleft()
             kind = item[0]
-            if kind == "send":
-                self._send_now(*item[1:])
+            if kind == "data":
+                self._schedule.add(item[1], item[4], item[5], item[6], item[1:4])
+            elif kind == "send":
+                if self._schedule is not None and self._schedule.holds(item[1]):
+                    self._schedule.add(item[1], None, (), 0, item[1:4])     # keeps its place
+                else:
+                    self._send_now(*item[1:])
             elif kind == "reply":
                 self._reply_now(*item[1:])
             elif kind == "connect":
@@ -234,6 +287,19 @@ class Van:
             elif kind == "stop":
                 self._running = False
             del item, kind      # payloads die here, not at the next message (see _watch)
+        if self._schedule:
+            self._send_scheduled()
+
+    def _send_scheduled(self):
+        """Hand zmq the waiting data messages that fit the credit window (all of them once stopping)."""
+        with self._lock:
+            inflight = self._inflight
+        ready = self._schedule.ready(inflight) if self._running else self._schedule.drain()
+        for (peer, frames, done), nbytes in ready:
+            with self._lock:
+                self._inflight += nbytes
+            self._send_now(peer, frames, done)
+        ready = frames = done = None    # as in _flush: our hold on the payloads ends here
 
     def _send_now(self, peer, frames, done):
         sock = self._dealers.get(peer)
@@ -280,38 +346,57 @@ class Van:
         self._poller.register(sock, zmq.POLLIN)
 
     def _drain(self, sock):
+        """Receive a bounded batch of what waits on one socket and hand each message on. Nothing a
+        peer sends ends this loop: a message that does not decode, or whose handling raises anything
+        at all (a RecursionError, a TypeError, ...), goes to _bad and the loop goes on."""
         from_router = sock is self._router
         for _ in range(256):   # bounded so one busy peer cannot starve the rest
-            if not sock.getsockopt(EVENTS) & POLLIN:
+            try:
+                if not sock.getsockopt(EVENTS) & POLLIN:
+                    return
+                frames = sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                self.complaints(log, logging.WARNING, "%s: receiving failed (%s)", self.name, exc)
                 return
-            frames = sock.recv_multipart(copy=False)
-            if from_router:
-                source = ("client", frames[0].bytes)
-                frames = frames[1:]
-            else:
-                source = ("peer", self._peer_of[sock])
+            source = header = None
             try:
+                if from_router:
+                    source = ("client", frames[0].bytes)
+                    frames = frames[1:]
+                else:
+                    source = ("peer", self._peer_of[sock])
                 header, payloads = protocol.unpack(frames)
-            except ProtocolError as exc:
-                self._bad(source, frames, exc)
-                continue
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s <- %r", self.name, header)
-            try:
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s <- %r", self.name, header)
                 self._handler(source, header, payloads)
-            except Exception:
-                log.exception("%s: handling %r failed", self.name, header)
+            except Exception as exc:
+                self._bad(source, frames, exc, header)
+            header = payloads = frames = None      # payloads die here, not at the next message
 
-    def _bad(self, source, frames, exc):
-        log.warning("%s: dropped a bad message from %s: %s", self.name, _show(source), describe(exc))
-        if source[0] == "client" and frames:
-            # Answer a peer that can read our errors; it may be waiting for this id.
-            request_id = _request_id(frames[0])
-            message = f"{self.name} refused the message: {describe(exc)}"
-            err = protocol.error_header(request_id, self.name, "protocol", message)
-            self._reply_now(source[1], [err.encode()], None)
-        if self._on_bad is not None:
-            self._on_bad(source, exc)
+    def _bad(self, source, frames, exc, header=None):
+        """A message that did not decode (header None) or whose handler raised: log it (throttled,
+        escaped) and answer a ROUTER client with an ERROR, which ends its wait for this id."""
+        try:
+            text = escape(describe(exc) or type(exc).__name__)
+            if header is None:
+                kind, what = "protocol", "refused the message"
+                if not isinstance(exc, ProtocolError):      # the decoder itself failed: say how
+                    text = f"{type(exc).__name__}: {text}"
+                self.complaints(log, logging.WARNING, "%s: dropped a bad message from %s: %s",
+                                self.name, _show(source), text)
+            else:
+                kind, what = error_kind(exc), f"could not handle {header.op.name}"
+                self.complaints(log, logging.ERROR, "%s: handling %s from %s failed: %s", self.name,
+                                header.op.name, _show(source), text, exc_info=exc)
+            if source is not None and source[0] == "client" and frames:
+                # Answer a peer that can read our errors; it may be waiting for this id.
+                request_id = header.id if header is not None else _request_id(frames[0])
+                err = protocol.error_header(request_id, self.name, kind, f"{self.name} {what}: {text}")
+                self._reply_now(source[1], [err.encode()], None)
+            if header is None and source is not None and self._on_bad is not None:
+                self._on_bad(source, exc)
+        except Exception:           # never let the report of a bad message end the I/O thread
+            self.complaints(log, logging.ERROR, "%s: reporting a bad message failed", self.name, exc_info=True)
 
     def _close(self):
         """Close everything (on the I/O thread as it ends, or in stop() if it never started)."""
@@ -321,8 +406,10 @@ class Van:
             self._queue.clear()
             os.close(self._wake_r)
             os.close(self._wake_w)
+        if self._schedule is not None:
+            dropped += [("send", *item) for item, _ in self._schedule.drain()]
         for item in dropped:
-            if item[0] == "send" and item[3] is not None:
+            if item[0] in ("send", "data") and item[3] is not None:
                 item[3]()
         if dropped:
             log.debug("%s: %d queued items dropped at close", self.name, len(dropped))
@@ -369,18 +456,25 @@ def _send(sock, frames):
 
 
 def _show(source):
+    if source is None:
+        return "an unknown sender"
     kind, who = source
-    return who if kind == "peer" else f"client {who.hex()}"
+    return escape(who) if kind == "peer" else f"client {who.hex()}"
 
 
 def _request_id(frame):
-    """Best-effort request id of an undecodable header, so the sender's wait ends."""
-    import msgpack
+    """Best-effort request id of a header that did not decode, so the sender's wait ends. Reads the
+    top-level map one field at a time (kvps writes v, op and id first), and only its first 4 KiB:
+    a huge or deeply nested header costs nothing more here."""
     try:
-        raw = msgpack.unpackb(frame.bytes if hasattr(frame, "bytes") else frame, raw=False,
-                              max_bin_len=1 << 16, max_str_len=1 << 16, max_array_len=1 << 16)
-        if isinstance(raw, dict) and isinstance(raw.get("id"), int):
-            return raw["id"]
+        head = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)[:4096]
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=8192)
+        unpacker.feed(head)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                value = unpacker.unpack()
+                return value if type(value) is int else 0
+            unpacker.skip()
     except Exception:
         pass
     return 0

@@ -77,3 +77,19 @@ def test_a_job_past_its_deadline_fails_fast_with_its_log(tmp_path):
     assert done.returncode == 1, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     assert "the kvps job did not" in done.stderr, done.stderr
     assert time.monotonic() - start < 30
+
+
+def test_priority_bench_runs_both_settings_and_reports_ratios(tmp_path):
+    done = run_command([sys.executable, "-m", "kvps.cli", "bench", "priority", "--repeat", "1", "--steps", "1",
+                        "--timeout", "60"], tmp_path, 150)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    figures = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in ("first layer's weights back", "whole step"):
+            figures[cells[0]] = [float(c) for c in cells[1:]]
+    assert set(figures) == {"first layer's weights back", "whole step"}, done.stdout
+    for on, off, ratio in figures.values():
+        assert on > 0 and off > 0 and abs(ratio - on / off) < 0.01, done.stdout
+    bad = run_command([sys.executable, "-m", "kvps.cli", "bench", "priority", "--steps", "0"], tmp_path, 30)
+    assert bad.returncode == 2 and "at least 1" in bad.stderr, bad.stderr

@@ -191,3 +191,57 @@ def test_on_sent_waits_for_zmq_and_a_dead_peer_is_let_go_by_disconnect_or_stop(s
     finally:
         van.stop()
     assert stuck2.wait(10)                # stop closes the DEALER: zmq lets go of that one too
+
+
+
+def keyed(key, nbytes):
+    header, payloads = data(nbytes)
+    header.keys = [Entry.of(key, 0, payloads[0])]
+    return header, payloads
+
+
+def arrival_order(credit, sends, settle_after=None, deadline=30.0):
+    """The keys a slow receiver sees, in order, when a Van with `credit` sends [(key, nbytes,
+    priority)], pausing before send number `settle_after`: the receiver reads nothing until every
+    send is queued (its queue holds two messages), so the link stays busy and the window full."""
+    import zmq
+    from kvps.wire import protocol
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)
+    sink.setsockopt(zmq.RCVHWM, 2)
+    sink.setsockopt(zmq.RCVBUF, 1 << 16)
+    sink.setsockopt(zmq.LINGER, 0)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    sender = Van("sender", lambda *a: None, credit=credit)
+    sender.start()
+    messages = [(keyed(key, nbytes), priority) for key, nbytes, priority in sends]
+    got = []
+    try:
+        sender.connect("sink", "127.0.0.1", port)
+        for i, ((header, payloads), priority) in enumerate(messages):
+            if i == settle_after:       # let the I/O thread fill the window with what came before
+                time.sleep(0.2)
+            sender.send("sink", header, payloads, priority=priority)
+        end = time.monotonic() + deadline
+        while len(got) < len(sends):
+            assert sink.poll(max(1, int(1000 * (end - time.monotonic())))), \
+                f"only {len(got)} of {len(sends)} messages arrived in {deadline} s"
+            header, _ = protocol.unpack(sink.recv_multipart(copy=False)[1:])
+            got.append(header.keys[0].key)
+        return got
+    finally:
+        sender.stop()
+        sink.close(0)
+        ctx.term()
+
+
+def test_priority_overtakes_bulk_on_a_busy_link_and_same_key_order_holds():
+    # 40 bulk messages of 2 MB (priority -1) through a window of 4 MB, then a hot one (priority 5),
+    # then a priority-9 message of key "b0", which must still follow the bulk message of "b0".
+    sends = [(f"b{i}", 2 << 20, -1) for i in range(40)] + [("hot", 1 << 16, 5), ("b0", 1 << 16, 9)]
+    got = arrival_order(4 << 20, sends, settle_after=40)
+    assert sorted(got) == sorted(k for k, _, _ in sends)
+    assert got.index("hot") < 20, f"the priority-5 message came {got.index('hot') + 1}th of 42: {got}"
+    assert got.index("b0") < got.index("b0", got.index("b0") + 1)
+    plain = arrival_order(0, sends, settle_after=40)     # no schedule: call order, priority ignored
+    assert plain == [k for k, _, _ in sends]

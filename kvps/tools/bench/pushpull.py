@@ -125,8 +125,8 @@ class _Lines:
         return "".join(self._parts)
 
 
-def results(text):
-    """The result objects in a job's prefixed output ('[W0] {...}' lines)."""
+def results(text, tag=workloads.TAG):
+    """The result objects (JSON with "bench": tag) in a job's prefixed output ('[W0] {...}' lines)."""
     rows = []
     for line in text.splitlines():
         m = _RESULT_LINE.match(line)
@@ -135,7 +135,7 @@ def results(text):
                 obj = json.loads(m.group(2))
             except ValueError:
                 continue
-            if isinstance(obj, dict) and obj.get("bench") == workloads.TAG:
+            if isinstance(obj, dict) and obj.get("bench") == tag:
                 rows.append(obj)
     return rows
 
