@@ -131,6 +131,12 @@ class KVStore(abc.ABC):
                 queue[0].wait(timeout)
                 queue.popleft()
 
+    def _wait_returned(self):
+        """Wait for every push that returned early; raises the first one's error."""
+        while self._returned:
+            self._returned[0].wait()
+            self._returned.popleft()
+
     def _check_returned(self):
         """Raise the error of a call that already returned (the first one seen), and forget the
         ones that succeeded. Every call starts here, so no error is lost."""

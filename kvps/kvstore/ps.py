@@ -364,6 +364,12 @@ class DistKVStore(KVStore):
         self._residuals.clear()
 
     def barrier(self):
+        """Wait until every worker reaches the barrier. In async and ssp modes a push is applied on
+        arrival, so the pushes of this worker that returned early are waited for first: after the
+        barrier every worker's earlier pushes are in (sync pulls wait for their rounds anyway, and
+        waiting there for a round that needs a push made after the barrier would never end)."""
+        if self.mode != "sync":
+            self._wait_returned()
         self._node.barrier("workers")
 
     def join(self):
