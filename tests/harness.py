@@ -37,6 +37,16 @@ def run_command(argv, cwd, timeout):
         raise AssertionError(f"{' '.join(argv[:5])} hung past {timeout} s\n{exc.stdout}\n{exc.stderr}") from None
 
 
+def wait_for(predicate, timeout, what):
+    """Poll predicate() until it is true; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def read_ready(proc, timeout, what):
     """The HOST:PORT of a READY line on proc's stdout, within `timeout` seconds: for daemons a test
     starts by hand, as a user would (Cluster's children are kvps.supervisor's, which reads READY itself)."""

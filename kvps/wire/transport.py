@@ -144,8 +144,8 @@ class Van:
         (see kvps/wire/schedule.py); without one, it keeps its place after them."""
         frames = [header.encode(), *payloads]
         if self._schedule is not None and priority is not None:
-            big = sum(memoryview(f).nbytes for f in payloads
-                      if not isinstance(f, bytes) and memoryview(f).nbytes >= COPY_BYTES)
+            sizes = (memoryview(f).nbytes for f in payloads if not isinstance(f, bytes))
+            big = sum(n for n in sizes if n >= COPY_BYTES)
             keys = tuple({entry.key for entry in header.keys})
             done = _watch(frames, self._credit_release(big, on_sent)) if big or on_sent else None
             item = ("data", peer, frames, done, priority, keys, big)

@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 import zmq
 
+from harness import wait_for
+
 from kvps.wire import protocol
 from kvps.wire.protocol import Entry, Header, Op
 
 HEARTBEAT_TIMEOUT = 2.0     # harness.FAST_ENV
-
-
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class RawPeer:
@@ -114,7 +107,7 @@ def test_server_checks_requests_itself(cluster):
     procs = c.spawn_workers(GOOD.replace('print(json.dumps({"value": out.tolist()}), flush=True)',
                                          'print(json.dumps({"value": out.tolist()}), flush=True)\n'
                                          'import time; time.sleep(3)'))
-    _wait_for(lambda: c.output("W0"), 20, "the worker to initialise its key")
+    wait_for(lambda: c.output("W0"), 20, "the worker to initialise its key")
     peer = RawPeer(c.server_ports[0])
     try:
         bad = np.ones(5, np.float16)
@@ -204,7 +197,7 @@ except kvps.KVPSError as e:
 def test_dead_node_is_named_within_the_heartbeat_timeout(cluster, victim):
     c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "1000"})
     procs = c.spawn_workers(LOOP)
-    _wait_for(lambda: c.output("W0") and c.output("W1"), 30, "both workers to start")
+    wait_for(lambda: c.output("W0") and c.output("W1"), 30, "both workers to start")
     time.sleep(0.3)
     c.proc(victim).kill()
     killed_at = time.time()

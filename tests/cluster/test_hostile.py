@@ -2,7 +2,6 @@
 over the message limit, replies nobody reads, and an I/O thread that dies anyway. Each is refused
 with a clear ERROR (or, past the message limit, by zmq), nothing blocks the daemon, and the job
 beside it still gets exact results."""
-import json
 import os
 import subprocess
 import sys
@@ -11,6 +10,8 @@ import time
 import msgpack
 import numpy as np
 import zmq
+
+from harness import wait_for
 
 from kvps.wire import protocol
 from kvps.wire.protocol import Entry, Header, Op
@@ -45,15 +46,6 @@ def _rows(ids):
     return [[float(4 * r + i) for i in range(4)] if r in ids else [0.0] * 4 for r in range(10)]
 
 
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 class Peer:
     def __init__(self, port, **opts):
         self.ctx = zmq.Context()
@@ -80,7 +72,7 @@ def _hold(c, mode="dist_sync"):
     env = dict(c.env, KVPS_RANK="0")
     proc = c.children.spawn("W0", [PY, str(path), mode], env=env, log=c.dir / "W0.log",
                             stderr=c.dir / "W0.err", cwd=c.dir, stdin=subprocess.PIPE)
-    _wait_for(lambda: c.output("W0"), 30, f"the worker to init its keys\n{c.logs()}")
+    wait_for(lambda: c.output("W0"), 30, f"the worker to init its keys\n{c.logs()}")
     return proc
 
 
@@ -88,7 +80,7 @@ def _release(c, proc):
     """Let the worker run its calls; returns what it printed (it waits for _finish to leave)."""
     proc.stdin.write(b"go\n")
     proc.stdin.flush()
-    _wait_for(lambda: len(c.output("W0")) > 1 or proc.poll() is not None, 60, f"the worker's calls\n{c.logs()}")
+    wait_for(lambda: len(c.output("W0")) > 1 or proc.poll() is not None, 60, f"the worker's calls\n{c.logs()}")
     assert len(c.output("W0")) > 1, c.logs()
     return c.output("W0")[-1]
 
@@ -183,7 +175,7 @@ def test_replies_nobody_reads_never_block_the_server(cluster):
         def sent_all():
             reply = stats.ask([Header(Op.STATS, 2, "W0").encode()])
             return reply.meta["bytes_out"] >= 30 * (16 << 20)
-        _wait_for(sent_all, 20, "the server to answer the 30 pulls")
+        wait_for(sent_all, 20, "the server to answer the 30 pulls")
         result = _release(c, worker)
         assert result["big"] == [1.0] and result["took"] < 5.0, result["took"]
         assert result["w"] == [1.0 + i for i in range(8)]          # async: the push is added
