@@ -31,6 +31,8 @@ VARIABLES = (
     Var("KVPS_NUM_SERVERS", 1, int, "number of servers in the job (0: an all-reduce job)", ("DMLC_NUM_SERVER",)),
     Var("KVPS_RANK", -1, int, "rank this node asks the scheduler for (-1: any; the launcher sets it)"),
     Var("KVPS_HOST", None, str, "address this node advertises to its peers (default: the one that reaches the scheduler)", ("DMLC_NODE_HOST",)),
+    Var("KVPS_INTERFACE", None, str, "network interface whose IPv4 address kvps launch --launcher ssh gives the "
+                                     "scheduler (default: the route to the first host; --host wins)", ("DMLC_INTERFACE",)),
     Var("KVPS_PORT", 0, int, "port a server binds (0: any free port)"),
     Var("KVPS_TIMEOUT", 300.0, float, "seconds any single blocking call may wait before it raises KVTimeoutError"),
     Var("KVPS_CONNECT_TIMEOUT", 120.0, float, "seconds to wait for all nodes to register with the scheduler"),
@@ -45,9 +47,20 @@ VARIABLES = (
     Var("KVPS_SEND_CREDIT", 4 << 20, int, "a worker hands the network at most this many bytes of data messages "
                                           "at a time, so a call with a higher priority overtakes bulk already "
                                           "queued (ByteScheduler's credit; 0: send in call order, priority ignored)"),
+    Var("KVPS_SHM", 1, int, "1: a worker and a server on one host move big payloads through shared memory, "
+                            "and ZeroMQ carries only headers (kvps/wire/shm.py); 0: everything over TCP"),
     Var("KVPS_MAX_MESSAGE_BYTES", 2 << 30, int, "the biggest frame a node accepts (ZMQ_MAXMSGSIZE on every socket): "
                                                 "zmq drops a peer that sends a bigger one, so garbage of any size "
                                                 "costs no memory"),
+    Var("KVPS_FAULTS", None, str, "test only: inject faults into data messages, e.g. drop:0.01,dup:0.01,delay:5ms "
+                                  "(see docs/faults.md; requests are then resent and de-duplicated)"),
+    Var("KVPS_FAULTS_SEED", 0, int, "seed of the injected faults (with the node's role and rank)"),
+    Var("KVPS_RESEND_TIMEOUT", 0.0, float, "seconds a worker waits for a server's reply before it resends the "
+                                           "request, doubling each time (0: never, or 0.5 with KVPS_FAULTS)"),
+    Var("KVPS_SCHEDULER_GRACE", 0.0, float, "seconds a node keeps working past KVPS_HEARTBEAT_TIMEOUT without the "
+                                            "scheduler, for 'kvps scheduler --recover' to take over (0: the job ends)"),
+    Var("KVPS_ELASTIC", 0, int, "1: a dead worker of a parameter-server job is removed instead of ending the "
+                                "job, and a replacement may join (kvps launch --elastic)"),
     Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
                                             "this size (Horovod's fusion threshold)"),
     Var("KVPS_RING_CHUNK_BYTES", 4 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
@@ -56,7 +69,23 @@ VARIABLES = (
     Var("KVPS_STRAGGLER", None, str, "slow this worker down by an extra delay per step: fixed:S, exp:MEAN or "
                                       "uniform:LO:HI seconds (kvps launch --straggler sets it; see kvps/straggler.py)"),
     Var("KVPS_STRAGGLER_SEED", 0, int, "seed of the random straggler delays (with the worker's rank)"),
+    Var("KVPS_RESUME", None, str, "a checkpoint directory (kv.save's): every kv.init of a parameter-server "
+                                  "kvstore loads its keys, optimizer state and counters from it (kvps launch --resume)"),
+    Var("KVPS_CHECKPOINT_DIR", None, str, "worker 0 keeps a checkpoint here, replaced every "
+                                          "KVPS_CHECKPOINT_EVERY steps (docs/checkpoint.md)"),
+    Var("KVPS_CHECKPOINT_EVERY", 0, int, "steps between periodic checkpoints (a step ends when worker 0 pushes a "
+                                         "key again; 0: none); training pauses only for the copy of the state"),
     Var("KVPS_LOG_LEVEL", "WARNING", str, "logging level of kvps's loggers (DEBUG shows every message)"),
+    Var("KVPS_METRICS_PORT", None, int, "serve Prometheus metrics on this port (0: any free port, reported on the "
+                                        "READY line and to the scheduler's /targets; unset: no metrics)"),
+    Var("KVPS_TIMELINE", None, str, "directory where every node writes Chrome trace events "
+                                    "(kvps timeline merge DIR -o trace.json)"),
+    Var("KVPS_CURVE", "auto", str, "authenticate and encrypt every link with CurveZMQ: 1, 0 (off, on a trusted "
+                                   "network), or auto: on unless the job is loopback-only (docs/security.md)"),
+    Var("KVPS_SECRET_FILE", None, str, "this node's secret file (JSON, mode 0600): its CURVE secret key and the job's "
+                                       "public keys (kvps keys new DIR; kvps launch makes them)"),
+    Var("KVPS_SECRET", None, str, "the secret file's JSON text itself, for a Kubernetes Secret given as a variable "
+                                  "(KVPS_SECRET_FILE wins)"),
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -108,6 +137,7 @@ class Config:
     num_servers: int = _default("num_servers")
     rank: int = _default("rank")
     host: str = _default("host")
+    interface: str = _default("interface")
     port: int = _default("port")
     timeout: float = _default("timeout")
     connect_timeout: float = _default("connect_timeout")
@@ -118,12 +148,26 @@ class Config:
     message_bytes: int = _default("message_bytes")
     send_credit: int = _default("send_credit")
     max_message_bytes: int = _default("max_message_bytes")
+    faults: str = _default("faults")
+    faults_seed: int = _default("faults_seed")
+    resend_timeout: float = _default("resend_timeout")
+    elastic: int = _default("elastic")
+    scheduler_grace: float = _default("scheduler_grace")
+    shm: int = _default("shm")
     fusion_bytes: int = _default("fusion_bytes")
     ring_chunk_bytes: int = _default("ring_chunk_bytes")
     kernels: str = _default("kernels")
     straggler: str = _default("straggler")
     straggler_seed: int = _default("straggler_seed")
+    resume: str = _default("resume")
+    checkpoint_dir: str = _default("checkpoint_dir")
+    checkpoint_every: int = _default("checkpoint_every")
     log_level: str = _default("log_level")
+    metrics_port: int = _default("metrics_port")
+    timeline: str = _default("timeline")
+    curve: str = _default("curve")
+    secret_file: str = _default("secret_file")
+    secret: str = dataclasses.field(default=_default("secret"), repr=False)     # never in a log line
 
     @classmethod
     def from_env(cls, environ=None):
@@ -154,8 +198,24 @@ class Config:
             parse(self.straggler)
         if self.max_message_bytes < 1:
             raise ConfigError(f"KVPS_MAX_MESSAGE_BYTES={self.max_message_bytes} must be at least 1")
+        if self.shm not in (0, 1):
+            raise ConfigError(f"KVPS_SHM={self.shm} must be 0 or 1")
+        if self.elastic not in (0, 1):
+            raise ConfigError(f"KVPS_ELASTIC={self.elastic} must be 0 or 1")
+        if self.curve not in ("auto", "0", "1"):
+            raise ConfigError(f"KVPS_CURVE={self.curve!r} must be auto, 0 or 1")
+        if self.metrics_port is not None and self.metrics_port > 65535:
+            raise ConfigError(f"KVPS_METRICS_PORT={self.metrics_port} is not a port number (0: any free port)")
         if self.bigarray_bound < 1:
             raise ConfigError(f"KVPS_BIGARRAY_BOUND={self.bigarray_bound} must be at least 1")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError(f"KVPS_CHECKPOINT_EVERY={self.checkpoint_every} needs KVPS_CHECKPOINT_DIR (where to write)")
+
+    @property
+    def resend_after(self):
+        """Seconds before a worker resends an unanswered data request (0: it never does): on when
+        faults are injected or KVPS_RESEND_TIMEOUT is set, so a normal job sends nothing extra."""
+        return self.resend_timeout or (0.5 if self.faults else 0.0)
 
     def require_scheduler(self):
         """The scheduler address; raises ConfigError naming the variables to set."""

@@ -13,6 +13,9 @@ def parser():
     p.add_argument("--port", type=int, default=None, help="port to bind (0: any free port, the default)")
     p.add_argument("-n", "--num-workers", type=int, default=None, help="workers in the job (KVPS_NUM_WORKERS)")
     p.add_argument("-s", "--num-servers", type=int, default=None, help="servers in the job (KVPS_NUM_SERVERS)")
+    p.add_argument("--recover", action="store_true",
+                   help="take over a running job whose scheduler died, on its address: its nodes register "
+                        "again with their ranks (they wait KVPS_SCHEDULER_GRACE s for this)")
     return p
 
 
@@ -24,12 +27,16 @@ def main(argv=None):
         if cfg.scheduler is not None:            # started MXNet-style: DMLC_PS_ROOT_URI / _PORT
             host = host or cfg.scheduler[0]
             port = cfg.scheduler[1] if port is None else port
-        scheduler = Scheduler(cfg, host or "127.0.0.1", port or 0)
+        scheduler = Scheduler(cfg, host or "127.0.0.1", port or 0, recover=args.recover)
     except KVPSError as exc:
         print(f"kvps scheduler: error: {exc}", file=sys.stderr)
         return 2
     shown = scheduler.host if scheduler.host != "0.0.0.0" else "127.0.0.1"
-    print(f"READY {shown}:{scheduler.port}", flush=True)
+    metrics = f" metrics={scheduler.metrics_address}" if scheduler.metrics_address else ""
+    print(f"READY {shown}:{scheduler.port}{metrics}", flush=True)
+    if scheduler.metrics_address:       # on a line of its own too: launchers show it, and READY they keep
+        print(f"METRICS {scheduler.metrics_address} (Prometheus HTTP service discovery: "
+              f"http://{scheduler.metrics_address}/targets)", flush=True)
     return scheduler.serve()
 
 

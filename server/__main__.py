@@ -36,7 +36,8 @@ def main(argv=None):
     except KVPSError as exc:
         print(f"kvps server: error: {exc}", file=sys.stderr)
         return 2
-    print(f"READY {server.host}:{server.van.port}", flush=True)
+    metrics = f" metrics={server.host}:{server.telemetry.port}" if server.telemetry and server.telemetry.port else ""
+    print(f"READY {server.host}:{server.van.port}{metrics}", flush=True)
     return server.serve()
 
 

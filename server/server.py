@@ -7,10 +7,26 @@ round closes for sync pushes, when the slowest worker catches up for ssp pulls.
 Values are sent without copying; the store is told, so it does not change a value
 zmq is still reading. A job whose consistency mode this server cannot run gets
 every request answered with the reason (the server stays up until the job ends).
+
+Checkpoints (docs/checkpoint.md): SAVE copies the state (or, for kv.save, holds back what would
+change it) and writes a shard on a thread; LOAD reads the rows this server now holds on a thread
+and applies them on the I/O thread; a timer of the I/O thread sends their replies.
+
+Each request id from a worker is handled once (kvps/wire/window.py): a resent or duplicated push
+gets its first reply again and is never applied twice. In an elastic job (KVPS_ELASTIC) the
+scheduler's WORKERS messages remove and add workers: rounds close with the workers that remain,
+and a worker that joins takes part from each key's next round (kvps/ps/store.py).
+
+A PULL or PUSHPULL with meta["pull"] (compressed pull, docs/compression.md) gets its float32
+values compressed when its reply is built, with this server's error feedback per worker, key
+and part (kvps.ps.compression.PullEncoder); a refused request moves none of it.
 """
 import logging
 import math
+import os
+import queue
 import threading
+import time
 
 import numpy as np
 
@@ -18,29 +34,45 @@ from kvps import kernels
 from kvps.ps import compression
 from kvps.errors import KVValueError, NodeFailure, ProtocolError, describe, error_kind
 from kvps.wire.membership import Node, advertised_host, parse_name
-from kvps.wire.protocol import MAX_ROW_IDS, DType, Entry, Header, Op, as_array, error_header, numpy_dtype, quote
+from kvps.wire.protocol import (MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
+                                numpy_dtype, quote)
+from kvps.wire.shm import Mapped, ShmRefused
 from kvps.wire.throttle import escape
+from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 
+from kvps.ps import checkpoint
 from kvps.ps.store import Store
 from kvps.ps.rules import Registry
 
 log = logging.getLogger("kvps.server")
 
 MAX_EARLY = 10_000      # requests held until the job forms; more means a peer misbehaves
+# what waits while a checkpoint is written from the live state (kv.save): whatever would change it
+HELD_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.SET_OPTIMIZER, Op.JOIN, Op.LOAD})
 
 
 class Reply:
     """Collects the per-entry results of one request and sends one reply when all are in."""
 
-    def __init__(self, server, routing_id, header, count, values):
+    def __init__(self, server, routing_id, header, count, values, into=None):
         self.server, self.routing_id, self.header = server, routing_id, header
         self.results = [None] * count
         self.left = count
         self.values = values
+        self.into = into or {}          # entry index -> shared-memory view its value is copied into
         self.error = None
         self.answered = set()
+        self.pull = None                # (worker, codec) when the values go back compressed
+        self.versions = {}              # entry index -> its slot's version when it was delivered
+        self.squeezed = set()           # entry indices sent compressed (not straight from a value)
         if count == 0:
             self._finish()
+
+    def compress(self, worker, codec):
+        """Send this reply's float32 values compressed with `codec` (a PULL's meta["pull"]), with
+        the server's error feedback for `worker` (kvps.ps.compression.PullEncoder)."""
+        if codec is not None:
+            self.pull = (worker, codec)
 
     def callback(self, index):
         def done(result):
@@ -51,6 +83,9 @@ class Reply:
                 self.error = self.error or result
             else:
                 self.results[index] = result
+                if self.pull is not None:
+                    entry = self.header.keys[index]
+                    self.versions[index] = self.server.store.slot(entry.key, entry.part).version
             self.left -= 1
             if self.left == 0:
                 self._finish()
@@ -61,16 +96,47 @@ class Reply:
         if self.error is not None:
             server.reply_error(self.routing_id, h, self.error)
         elif not self.values:
-            server.van.reply(self.routing_id, Header(Op.ACK, h.id, server.name))
+            server.answer(self.routing_id, h, Header(Op.ACK, h.id, server.name))
         else:
-            entries, payloads = [], []
-            for request_entry, array in zip(h.keys, self.results):
+            entries, payloads, shared = [], [], []
+            for index, (request_entry, array) in enumerate(zip(h.keys, self.results)):
+                array = self._squeeze(index, request_entry, array)
+                view = self.into.get(index)
+                if view is not None and view.nbytes == array.nbytes:
+                    np.copyto(view, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+                    entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
+                                         array.shape, 0))
+                    shared.append(index)
+                    continue
                 entries.append(Entry.of(request_entry.key, request_entry.part, array))
                 if array.nbytes:
                     payloads.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-            slots = [(e.key, e.part) for e in h.keys]
-            server.van.reply(self.routing_id, Header(Op.VALUE, h.id, server.name, entries), payloads,
-                             on_tracker=lambda tracker: [server.store.sent(k, p, tracker) for k, p in slots])
+            slots = [(e.key, e.part) for i, e in enumerate(h.keys) if i not in self.squeezed]
+            meta = {"codec": self.pull[1], "delta": self._delta()} if self.pull is not None else {}
+            if shared:
+                meta["shm"] = shared
+            reply = Header(Op.VALUE, h.id, server.name, entries, meta or None)
+            server.answer(self.routing_id, h, reply, payloads,
+                          on_tracker=lambda tracker: [server.store.sent(k, p, tracker) for k, p in slots])
+
+    def _delta(self):
+        """What compressed pulls send (kvps.ps.compression): a round's merged update (dist_sync
+        without an optimizer: the value itself, error-fed) or, for weights, the change since
+        what the worker holds."""
+        store = self.server.store
+        return not (store.mode == "sync" and store.rule is None)
+
+    def _squeeze(self, index, entry, array):
+        """The array to send for entry `index`: compressed when this reply compresses float32 values
+        (encoded here, once the reply is sure to go: a refused request moves no error feedback)."""
+        if self.pull is None or array.dtype != np.float32 or index not in self.versions:
+            return array
+        worker, codec = self.pull
+        sent = self.server.pulls.encode(worker, (entry.key, entry.part), array, codec, self._delta(),
+                                        self.versions[index])
+        if sent is not array:
+            self.squeezed.add(index)
+        return sent
 
 
 class Server(Node):
@@ -87,6 +153,18 @@ class Server(Node):
         self.optimizer = (0, None)              # (generation, spec)
         self.exit_code = None
         self._done = threading.Event()
+        self._checkpointing = False            # a SAVE is being written
+        self._held = None                      # while one writes the live state: the requests held back
+        self._finished = queue.SimpleQueue()   # (routing id, request, result) of those threads
+        self._finishing = False                # the I/O-thread timer that takes them is set
+        self.window = Window()                  # request ids answered, per worker (resends, duplicates)
+        self.shared = {}                        # worker name -> its Mapped shared-memory segments
+        self.shared_entries = 0                 # entries whose payload or value went through them
+        self._arrived = {}                      # (routing id, request id) -> time.time() of arrival (telemetry)
+        if self.telemetry is not None and self.telemetry.metrics is not None:
+            self._export(self.telemetry.metrics)
+        self.joining = []                       # requests from a worker whose join the scheduler has not told us of
+        self.pulls = compression.PullEncoder()  # compressed pulls' error feedback, per worker, key and part
 
     def serve(self):
         self.start()
@@ -99,6 +177,8 @@ class Server(Node):
         try:
             self.store = Store(len(meta["workers"]), meta["mode"])
             log.info("%s: consistency %s", self.name, self.store.consistency.wire())
+            if self.telemetry is not None:
+                self.store.observer = self.telemetry
         except (ProtocolError, ValueError) as exc:
             # Not fatal here: every request is answered with the reason, so the workers fail with a
             # clear message, and the scheduler still ends the job when they leave.
@@ -109,14 +189,37 @@ class Server(Node):
         for request in early:
             self.on_client(*request)
 
-    def on_shutdown(self):
-        log.info("%s: shutdown", self.name)
-        self._end(0)
+    def on_shutdown(self, failed=None):
+        if failed:
+            log.error("%s: the job failed (%s); exiting", self.name, escape(failed))
+        else:
+            log.info("%s: shutdown", self.name)
+        self._end(1 if failed else 0)
+
+    def on_workers(self, meta):
+        """Elastic jobs: the scheduler removed a dead worker, or a new one took a vacant rank."""
+        role, rank = parse_name(meta["node"])
+        if self.store is None or role != "worker" or rank >= self.store.num_workers:
+            return
+        self.window.forget(meta["node"])
+        self.pulls.forget(rank)
+        if meta["change"] == "removed":
+            self.store.worker_removed(rank)
+        elif meta["change"] == "joined":
+            self.store.worker_added(rank)
+            joining, self.joining = self.joining, []
+            for request in joining:
+                self.on_client(*request)
 
     def on_worker_left(self, node):
+        self.shared.pop(node, None)         # its segments go once nothing else maps them
         role, rank = parse_name(node)
         if self.store is not None and role == "worker":
-            self.store.worker_gone(rank, f"worker {node} has left the job (closed its kvstore)")
+            self.pulls.forget(rank)
+            if self.cfg.elastic and rank < self.store.num_workers:
+                self.store.worker_removed(rank)     # rounds go on without it
+            else:
+                self.store.worker_gone(rank, f"worker {node} has left the job (closed its kvstore)")
 
     def on_failure(self, node, failure):
         role, rank = parse_name(node)
@@ -124,6 +227,7 @@ class Server(Node):
             log.error("%s: %s; exiting", self.name, failure)
             self._end(1)
         elif self.store is not None and role == "worker":
+            self.pulls.forget(rank)
             self.store.worker_gone(rank, str(failure))
 
     def on_io_death(self, failure):
@@ -137,7 +241,52 @@ class Server(Node):
 
     # ---- requests ----
     def reply_error(self, routing_id, header, exc):
-        self.van.reply(routing_id, error_header(header.id, self.name, error_kind(exc), describe(exc)))
+        self.answer(routing_id, header, error_header(header.id, self.name, error_kind(exc), describe(exc)))
+
+    def answer(self, routing_id, request, reply, payloads=(), on_tracker=None):
+        """Send the reply to a request, and remember it (or that it carried values) in the window."""
+        keep = RECOMPUTE if reply.op in (Op.VALUE, Op.STATS) else reply     # values may be big, and change
+        self.window.answered((request.src, routing_id), request.id, keep)
+        if self.telemetry is not None:
+            self._observe(routing_id, request, reply)
+        self.van.reply(routing_id, reply, payloads, on_tracker=on_tracker)
+
+    # ---- metrics and timeline (docs/observability.md; only with KVPS_METRICS_PORT or KVPS_TIMELINE) ----
+    def _export(self, metrics):
+        """The store's own counters, read at scrape time (they cost the message path nothing)."""
+        from kvps.metrics import catalog
+        from kvps.metrics.registry import histogram_from_counts
+
+        def stat(name):
+            return lambda: {(): self.store.stats[name]}
+        for metric, name in (("kvps_server_pushed_bytes_total", "bytes_in"), ("kvps_server_pulled_bytes_total",
+                             "bytes_out"), ("kvps_server_rounds_total", "rounds"), ("kvps_server_updates_total",
+                             "updates"), ("kvps_server_dropped_pushes_total", "dropped"),
+                             ("kvps_server_ssp_waits_total", "ssp_waits")):
+            metrics.derive(metric, stat(name))
+        metrics.derive("kvps_server_entries_total",
+                       lambda: {("push",): self.store.stats["pushes"], ("pull",): self.store.stats["pulls"]})
+        metrics.derive("kvps_server_staleness", lambda: {(): histogram_from_counts(
+            list(self.store.stats["staleness"]), catalog.STALENESS_BUCKETS)})
+        metrics.derive("kvps_server_kernel_calls_total",
+                       lambda: {(kernels.backend(), op): n for op, n in kernels.counters().items()})
+        metrics.derive("kvps_server_keys", lambda: {(): len(self.store.slots)})
+        metrics.derive("kvps_server_open_rounds",
+                       lambda: {(): sum(1 for slot in list(self.store.slots.values()) if slot.in_round)})
+        metrics.derive("kvps_server_waiting_pulls",
+                       lambda: {(): sum(len(slot.pull_waiters) for slot in list(self.store.slots.values()))})
+        metrics.derive("kvps_server_key_bytes_total", self.telemetry.top_keys)
+
+    def _observe(self, routing_id, request, reply):
+        start = self._arrived.pop((routing_id, request.id), None)
+        if start is not None:
+            self.telemetry.request_done(request, start)
+        if self.telemetry.metrics is not None and reply.op != Op.ERROR:    # a refused key is no key of ours
+            for e in request.keys:
+                self.telemetry.key_bytes(e.key, e.nbytes)
+            if reply.op == Op.VALUE:
+                for e in reply.keys:
+                    self.telemetry.key_bytes(e.key, e.nbytes)
 
     def on_client(self, routing_id, header, payloads):
         try:
@@ -152,12 +301,41 @@ class Server(Node):
                     raise NodeFailure(f"{header.op.name} reached a server before the job formed")
                 self.early.append((routing_id, header, payloads))
                 return
+            if self._held is not None and header.op in HELD_OPS:
+                if len(self._held) >= MAX_EARLY:
+                    raise KVValueError(f"{header.op.name} refused: {self.name} is writing a checkpoint and "
+                                       f"already holds {MAX_EARLY} requests back")
+                self._held.append((routing_id, header, payloads))
+                return
             worker = self._worker(header.src)
+            if worker in self.store.removed:
+                # A worker joining an elastic job: its requests may overtake the scheduler's news.
+                if len(self.joining) >= MAX_EARLY:
+                    raise NodeFailure(f"{header.op.name} from W{worker}, which is not in the job")
+                self.joining.append((routing_id, header, payloads))
+                return
+            state = self.window.admit((header.src, routing_id), header.id)
+            if state is not NEW:
+                return self._again(routing_id, header, payloads, worker, state)
+            if self.telemetry is not None:
+                if len(self._arrived) >= MAX_EARLY:    # requests never answered (their worker died)
+                    self._arrived.clear()
+                self._arrived[(routing_id, header.id)] = time.time()
             handler(self, routing_id, header, payloads, worker)
         except Exception as exc:
             self.van.complaints(log, logging.WARNING, "%s: %s from %s refused: %s", self.name, header.op.name,
                                 quote(header.src), escape(describe(exc)))
             self.reply_error(routing_id, header, exc)
+
+    def _again(self, routing_id, header, payloads, worker, state):
+        """A request id seen before: drop it (BUSY, OLD), answer it again with its reply, or
+        recompute a reply with values (a PUSHPULL's push is not applied again: only its pull runs)."""
+        if state is BUSY or state is OLD:
+            return
+        if state is RECOMPUTE:
+            handler = Server._pull if header.op == Op.PUSHPULL else self._handlers[header.op]
+            return handler(self, routing_id, header, payloads, worker)
+        self.van.reply(routing_id, state)
 
     def _worker(self, src):
         num = self.store.num_workers
@@ -184,10 +362,16 @@ class Server(Node):
                                f"{MAX_ROW_IDS} (MAX_ROW_IDS)")
 
     def _arrays(self, header, payloads, need):
-        """[(entry, array or None)]; checks each entry's payload is there when `need`."""
+        """[(entry, array or None)]; checks each entry's payload is there when `need`. A payload in
+        shared memory is a view of the worker's segment (kvps/wire/shm.py)."""
         frames = iter(payloads)
+        shared = self._shared(header, "shm")
         out = []
-        for e in header.keys:
+        for index, e in enumerate(header.keys):
+            view = shared.get(index)
+            if view is not None:
+                out.append((e, view.view(numpy_dtype(e.dtype)).reshape(e.shape)))
+                continue
             array = as_array(next(frames), e) if e.nbytes else None
             if array is None and need:
                 if math.prod(e.shape):      # checked before allocating: the shape is the peer's
@@ -196,18 +380,58 @@ class Server(Node):
             out.append((e, array))
         return out
 
+    def _shared(self, header, field):
+        """{entry index: np.uint8 view} of the shared-memory regions a request's meta names in
+        `field` ("shm": its payloads, "into": where its values go), each checked against its entry."""
+        named = header.meta.get(field)
+        if not named:
+            return {}
+        mapped = self.shared.get(header.src)
+        if mapped is None:
+            raise ProtocolError(f"{header.op.name} from {quote(header.src)} names shared memory it never attached")
+        views = {}
+        for index, segment, offset in named:
+            if not 0 <= index < len(header.keys) or index in views:
+                raise ProtocolError(f"{header.op.name} meta {field} names entry {index} of {len(header.keys)}")
+            e = header.keys[index]
+            if field == "shm" and e.nbytes:
+                raise ProtocolError(f"{header.op.name} entry {index} has a payload frame and shared memory")
+            nbytes = math.prod(e.shape) * numpy_dtype(e.dtype).itemsize
+            try:
+                views[index] = mapped.view(segment, offset, nbytes)
+            except ShmRefused as exc:
+                raise ProtocolError(f"{header.op.name} of key {quote(e.key)}: {exc}") from None
+        self.shared_entries += len(views)
+        return views
+
+    def _attach(self, routing_id, header, payloads, worker):
+        """Map a co-located worker's segment (kvps/wire/shm.py); ERROR tells it to use TCP."""
+        host, _, pid = self.membership["workers"][worker][:3]
+        meta = header.meta
+        if meta["pid"] != pid:
+            raise ShmRefused(f"ATTACH names pid {meta['pid']}; W{worker} registered as pid {pid}")
+        if host != self.host or not self.cfg.shm:
+            raise ShmRefused(f"W{worker} is on {host}, this server on {self.host}" if self.cfg.shm
+                             else f"{self.name} has shared memory off (KVPS_SHM=0)")
+        mapped = self.shared.setdefault(header.src, Mapped(pid))
+        mapped.attach(meta["fd"], meta["segment"], meta["nonce"])
+        self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
+
     def _check_all(self, entries):
         for e, _ in entries:
             self.store.check(e.key, e.part, numpy_dtype(e.dtype), e.shape)
 
     def _init(self, routing_id, header, payloads, worker):
         entries = self._arrays(header, payloads, need=False)
+        # A bare INIT from rank 0 is a worker that joined a running elastic job: it waits like any other.
+        held = {(e.key, e.part) for e, _ in entries
+                if getattr(self.store.slots.get((e.key, e.part)), "value", None) is not None}
         for e, array in entries:
-            if array is None and worker == 0 and math.prod(e.shape) > 0:
+            if array is None and worker == 0 and math.prod(e.shape) > 0 and (e.key, e.part) not in held:
                 raise KVValueError(f"INIT of key {e.key!r} from rank 0 carries no value")
         reply = Reply(self, routing_id, header, len(entries), values=False)
         for i, (e, array) in enumerate(entries):
-            if worker == 0 and array is None:
+            if worker == 0 and array is None and (e.key, e.part) not in held:
                 array = np.empty(e.shape, numpy_dtype(e.dtype))
             self.store.init(worker, e.key, e.part, numpy_dtype(e.dtype), e.shape,
                             array if worker == 0 else None, reply.callback(i))
@@ -218,7 +442,10 @@ class Server(Node):
         if codec is not None:
             entries = [self._decoded(e, array, codec) for e, array in entries]
         self._check_all(entries)
-        reply = Reply(self, routing_id, header, len(entries), values=then_pull)
+        into = self._shared(header, "into") if then_pull else None
+        reply = Reply(self, routing_id, header, len(entries), values=then_pull, into=into)
+        if then_pull:
+            reply.compress(worker, header.meta.get("pull"))
         for i, (e, array) in enumerate(entries):
             done = reply.callback(i)
             if then_pull:
@@ -242,7 +469,8 @@ class Server(Node):
     def _pull(self, routing_id, header, payloads, worker):
         for e in header.keys:
             self.store.slot(e.key, e.part)
-        reply = Reply(self, routing_id, header, len(header.keys), values=True)
+        reply = Reply(self, routing_id, header, len(header.keys), values=True, into=self._shared(header, "into"))
+        reply.compress(worker, header.meta.get("pull"))
         for i, e in enumerate(header.keys):
             self.store.pull(worker, e.key, e.part, reply.callback(i))
 
@@ -282,19 +510,110 @@ class Server(Node):
             log.info("%s: optimizer %s", self.name, spec)
         elif generation == current and spec != current_spec:
             raise KVValueError(f"workers set different optimizers: {current_spec} and, from W{worker}, {spec}")
-        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name))
+        self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
 
     def _join(self, routing_id, header, payloads, worker):
         log.info("%s: W%d joined (it counts as pushing zeros until every worker has joined)", self.name, worker)
         self.store.worker_joined(worker)
-        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name))
+        self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
 
     def _stats(self, routing_id, header, payloads, worker):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
-                    keys=len(self.store.slots), mode=self.store.consistency.wire())
-        self.van.reply(routing_id, Header(Op.STATS, header.id, self.name, meta=meta))
+                    keys=len(self.store.slots), mode=self.store.consistency.wire(),
+                    duplicates=self.window.duplicates, shared=self.shared_entries)
+        self.answer(routing_id, header, Header(Op.STATS, header.id, self.name, meta=meta))
+
+    # ---- checkpoints (kvps/ps/checkpoint.py; docs/checkpoint.md) ----
+    def _save(self, routing_id, header, payloads, worker):
+        """Copy the state now (the only pause: training goes on while a thread writes the copy)."""
+        path, save_id = header.meta["path"], header.meta["save"]
+        name = f"{save_id}.S{self.rank}.safetensors"
+        if not checkpoint.SHARD.fullmatch(name):
+            raise KVValueError(f"SAVE id {quote(save_id)} is not 1 to 64 letters, digits, '-' or '_'")
+        if self._checkpointing:
+            raise KVValueError(f"{self.name} is still writing the previous checkpoint; save one at a time")
+        hold = header.meta.get("hold", False)
+        tensors, slots = checkpoint.pack(self.store.export(copy=not hold))
+        self._checkpointing = True
+        if hold:
+            self._held = []         # requests that would change the arrays being written wait here
+        self._background(routing_id, header, lambda: self._write(path, name, tensors, slots))
+
+    def _write(self, path, name, tensors, slots):
+        os.makedirs(path, exist_ok=True)
+        info = checkpoint.write_shard(path, name, tensors, slots)
+        log.info("%s: wrote %s (%d slots, %d bytes)", self.name, name, len(slots), info["bytes"])
+        return lambda: Header(Op.ACK, meta=info)
+
+    def _load(self, routing_id, header, payloads, worker):
+        """Check the entries now, read the files on a thread, apply on this one when read."""
+        path, rows, what = header.meta["path"], header.meta["rows"], header.meta["what"]
+        if what not in ("all", "values", "optimizer"):
+            raise ProtocolError(f"LOAD what={quote(what)} is not 'all', 'values' or 'optimizer'")
+        if len(rows) != len(header.keys):
+            raise ProtocolError(f"LOAD has {len(header.keys)} entries and {len(rows)} row starts")
+        entries = [(e, numpy_dtype(e.dtype), start) for e, start in zip(header.keys, rows)]
+        for e, dtype, _ in entries:
+            self.store.check_restore(e.key, e.part, e.shape, dtype, idle=what != "optimizer")
+        self._background(routing_id, header, lambda: self._read(path, entries, what))
+
+    def _read(self, path, entries, what):
+        manifest = checkpoint.read_manifest(path)
+        gather = checkpoint.Gather(manifest)
+        states = [checkpoint.slot_state(gather, e.key, e.shape, dtype, start, what) for e, dtype, start in entries]
+        same = (manifest.get("num_workers"), manifest.get("mode")) == \
+            (self.store.num_workers, self.store.consistency.wire())
+        saved_rule = (manifest.get("optimizer") or {}).get("name")
+
+        def apply():            # on the I/O thread: the store is only ever touched there
+            slots = [self.store.check_restore(e.key, e.part, e.shape, dtype, idle=what != "optimizer")
+                     for e, dtype, _ in entries]
+            if what == "values":        # the weights only: the optimizer starts afresh on them
+                self.store.restore_optimizer({slot.id: None for slot in slots}, (path, None))
+            else:
+                self.store.restore_optimizer({slot.id: opt for slot, (_, opt, _) in zip(slots, states)},
+                                             (path, saved_rule))
+            if what != "optimizer":
+                for slot, (value, _, counters) in zip(slots, states):
+                    self.store.restore(slot, value, counters, same)
+            log.info("%s: loaded %d slots from %s", self.name, len(slots), path)
+            return Header(Op.ACK)
+        return apply
+
+    def _background(self, routing_id, header, work):
+        """Run work() on a thread; what it returns (a function giving the reply Header) then runs
+        on the I/O thread, which sends the reply (or an ERROR naming what failed)."""
+        if not self._finishing:
+            self.van.every(0.02, self._finish_background)
+            self._finishing = True
+
+        def run():
+            try:
+                result = work()
+            except Exception as exc:
+                result = exc
+            self._finished.put((routing_id, header, result))
+        threading.Thread(target=run, name=f"{self.name}-checkpoint", daemon=True).start()
+
+    def _finish_background(self):
+        while not self._finished.empty():
+            routing_id, header, result = self._finished.get()
+            if header.op == Op.SAVE:
+                self._checkpointing = False
+                held, self._held = self._held, None
+                for request in held or ():
+                    self.on_client(*request)
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                reply = result()
+                reply.id, reply.src = header.id, self.name
+                self.answer(routing_id, header, reply)
+            except Exception as exc:
+                log.warning("%s: %s failed: %s", self.name, header.op.name, escape(describe(exc)))
+                self.reply_error(routing_id, header, exc)
 
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,
                  Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.ROW_SPARSE_PUSH: _row_sparse_push,
                  Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats,
-                 Op.JOIN: _join}
+                 Op.JOIN: _join, Op.SAVE: _save, Op.LOAD: _load, Op.ATTACH: _attach}

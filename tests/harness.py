@@ -71,7 +71,7 @@ class Cluster:
     """The scheduler and servers of one test job (started by start()), and its workers; each child's
     stdout goes to NAME.log in `tmp_path`, its stderr to NAME.err (kvps.supervisor keeps them)."""
 
-    def __init__(self, tmp_path, workers, servers, env=None, server_args=(), start_servers=True):
+    def __init__(self, tmp_path, workers, servers, env=None, server_args=(), start_servers=True, curve=False):
         self.dir = tmp_path
         self.workers, self.servers = workers, servers
         self.env = dict(os.environ, **FAST_ENV, KVPS_NUM_WORKERS=str(workers), KVPS_NUM_SERVERS=str(servers),
@@ -81,6 +81,9 @@ class Cluster:
         self.children = Supervisor(new_session=False)
         self.server_args = list(server_args)
         self.start_servers = start_servers
+        # curve=True: the job's CURVE keys, one secret file per node (tmp_path/keys/NAME.json)
+        self.curve = curve
+        self.secrets = {}
         self.address = None
 
     def __enter__(self):
@@ -91,6 +94,8 @@ class Cluster:
 
     def _spawn(self, name, argv, env=None, ready=False):
         log = self.dir / f"{name}.log"
+        if name in self.secrets:
+            env = dict(env or self.env, KVPS_SECRET_FILE=self.secrets[name])
         return self.children.spawn(name, argv, env=env or self.env, ready=ready, log=log,
                                    stderr=log.with_suffix(".err"), cwd=self.dir)
 
@@ -101,6 +106,10 @@ class Cluster:
             raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def start(self):
+        if self.curve:
+            from kvps.wire.keys import job_names, make_job_keys
+            self.secrets = make_job_keys(str(self.dir / "keys"), job_names(self.workers, self.servers))
+            self.env["KVPS_CURVE"] = "1"
         self._spawn("H", [PY, "-m", "kvps.cli", "scheduler", "--port", "0"], ready=True)
         self.address = self._ready("H")
         self.env["KVPS_SCHEDULER"] = self.address

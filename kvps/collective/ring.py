@@ -198,8 +198,15 @@ class Ring:
             lo, hi = bounds[segment], bounds[segment + 1]
             return [(c, a, min(a + step_elems, hi)) for c, a in enumerate(range(lo, hi, step_elems))]
 
+        telemetry = self.node.telemetry         # None unless KVPS_METRICS_PORT or KVPS_TIMELINE is set
+        chunk_events = telemetry is not None and telemetry.timeline is not None
+
         def take(phase, step, c, a, b):
+            if chunk_events:
+                started = time.time()
             entry, frame = self._receive(seq, phase, step, c, what, deadline)
+            if chunk_events:
+                telemetry.ring_chunk(seq, phase, step, c, started, time.time())
             if entry.dtype != code or entry.shape != (b - a,):
                 raise ProtocolError(f"{what}: {self.left} sent {entry.shape} of dtype {entry.dtype} for "
                                     f"{phase} step {step} chunk {c}; expected ({b - a},) of {flat.dtype} "
@@ -208,6 +215,8 @@ class Ring:
 
         # Each chunk is written at most once in each phase and sent after it is written; a write
         # first waits until zmq has finished sending the chunk's earlier contents.
+        if telemetry is not None:
+            phase_start = time.time()
         for c, a, b in chunks(rank):                       # reduce-scatter, step 0: my own segment
             send("rs", 0, c, a, b)
         for step in range(size - 1):
@@ -215,6 +224,9 @@ class Ring:
                 kernels.sum_into(flat[a:b], take("rs", step, c, a, b))
                 # forward at once: the next step (or the all-gather) sends exactly this chunk
                 send(*(("rs", step + 1) if step < size - 2 else ("ag", 0)), c, a, b)
+        if telemetry is not None:
+            gather_start = time.time()
+            telemetry.ring_phase(seq, "reduce_scatter", phase_start, gather_start, flat.nbytes)
         for step in range(size - 1):                       # all-gather
             for c, a, b in chunks((rank - step) % size):
                 received = take("ag", step, c, a, b)
@@ -224,6 +236,8 @@ class Ring:
                     send("ag", step + 1, c, a, b)
         for a in list(sending):                            # the caller may change the buffer next
             settle(a)
+        if telemetry is not None:
+            telemetry.ring_phase(seq, "all_gather", gather_start, time.time(), flat.nbytes)
 
 
 def fuse(arrays, limit):

@@ -3,9 +3,10 @@
     kv = kvps.create("dist_sync")         # local | dist_sync (dist) | dist_async | dist_ssp:S | allreduce (ring)
     kv = kvps.create("dist_ssp:4")        # consistency options: docs/consistency.md
     kv = kvps.create("dist_sync", backup_workers=1)
+    kv = kvps.create("dist_geo:4")        # GEO-SGD: local training, weight changes pushed every 4 steps
 
 Modules: base (the API and its argument checks, shared by all), local (one process),
-ps (the parameter-server client), allreduce (the ring), engine (its call-order thread).
+ps (the parameter-server client), geo (GEO-SGD on top of it), allreduce (the ring), engine (its call-order thread).
 """
 from kvps.kvstore.base import KVStore
 from kvps.ps.consistency import Consistency
@@ -17,6 +18,7 @@ TYPES = {
     "dist_sync": "sync", "dist": "sync", "dist_sync_device": "sync",
     "dist_async": "async",
     "dist_ssp": "ssp",
+    "dist_geo": "geo",
     "allreduce": "allreduce",
 }
 # MXNet's other type names -> the nearest kvps type (docs/mxnet.md): the device variants differ in
@@ -27,15 +29,16 @@ ALIASES = {
     "horovod": "allreduce", "byteps": "dist_sync",
 }
 VALID = ("local, device, dist_sync, dist, dist_sync_device (each also as NAME:backup=B, B backup workers), "
-         "dist_async, dist_ssp:S (S the staleness bound: an int >= 0, or inf), allreduce; MXNet's "
+         "dist_async, dist_ssp:S (S the staleness bound: an int >= 0, or inf), dist_geo:K (GEO-SGD, "
+         "K local steps between syncs), allreduce; MXNet's "
          + ", ".join(f"{a} ({t})" for a, t in ALIASES.items()))
-CONSISTENCY_OPTIONS = ("staleness", "backup_workers")
+CONSISTENCY_OPTIONS = ("staleness", "backup_workers", "k_steps")
 
 
 def create(name="local", **options):
     """A kvstore of the given type: a name of TYPES, for a dist kvstore with its consistency options
     after a ':' ("dist_ssp:4", "dist_ssp:inf", "dist_sync:backup=1") or as keywords
-    (staleness=4, backup_workers=1). Raises ValueError listing the valid types, or naming a bad option."""
+    (staleness=4, backup_workers=1, k_steps=4). Raises ValueError listing the valid types, or naming a bad option."""
     base, colon, suffix = name.partition(":") if isinstance(name, str) else (None, "", "")
     base = base and base.lower()
     kind = TYPES.get(ALIASES.get(base, base))
@@ -44,15 +47,19 @@ def create(name="local", **options):
     if kind in ("local", "allreduce"):
         given = [o for o in CONSISTENCY_OPTIONS if o in options]
         if given:
-            raise ValueError(f"{given[0]}={options[given[0]]!r} applies to dist_ssp and dist_sync kvstores, "
-                             f"not {name!r}")
+            raise ValueError(f"{given[0]}={options[given[0]]!r} applies to dist_ssp, dist_sync and dist_geo "
+                             f"kvstores, not {name!r}")
         if kind == "local":
             from kvps.kvstore.local import LocalKVStore
             return LocalKVStore(name, **options)
         from kvps.kvstore.allreduce import RingKVStore
         return RingKVStore(name, **options)
     consistency = Consistency.parse(kind, suffix, name=name, staleness=options.pop("staleness", None),
-                                    backup_workers=options.pop("backup_workers", None))
+                                    backup_workers=options.pop("backup_workers", None),
+                                    k_steps=options.pop("k_steps", None))
+    if consistency.mode == "geo":
+        from kvps.kvstore.geo import GeoKVStore
+        return GeoKVStore(name, consistency, **options)
     from kvps.kvstore.ps import DistKVStore
     return DistKVStore(name, consistency, **options)
 

@@ -199,6 +199,27 @@ class KVStore(abc.ABC):
         self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
                                            lambda: node.failure is None, leave, self.type)
 
+    # ---- checkpoints (docs/checkpoint.md): the parameter-server kvstores hold state to save ----
+    def save(self, path, dump_optimizer=False):
+        """Collective: checkpoint the servers' state to the directory `path` (dist kvstores)."""
+        raise NotImplementedError(self._no_checkpoints("save"))
+
+    def load(self, path, optimizer_states=True):
+        """Collective: restore the state saved in `path` (dist kvstores)."""
+        raise NotImplementedError(self._no_checkpoints("load"))
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """MXNet's call: save the servers' optimizer state (dist kvstores)."""
+        raise NotImplementedError(self._no_checkpoints("save_optimizer_states"))
+
+    def load_optimizer_states(self, fname):
+        """MXNet's call: restore the servers' optimizer state (dist kvstores)."""
+        raise NotImplementedError(self._no_checkpoints("load_optimizer_states"))
+
+    def _no_checkpoints(self, call):
+        return (f"kv.{call}: a {self.type!r} kvstore keeps no server state; checkpoints are for the "
+                f"parameter-server kvstores (dist_sync, dist_async, dist_ssp); save your own arrays here")
+
     def _barrier(self):
         """MXNet's private name for barrier()."""
         return self.barrier()

@@ -7,20 +7,24 @@ that thread. The worker finds the scheduler through KVPS_SCHEDULER (or MXNet's
 DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT) and leaves the job on close() or exit.
 """
 import collections
+import functools
 import logging
 import math
 import numbers
+import os
 
 import numpy as np
 
 from kvps.ps import compression, sharding
 from kvps.config import Config
 from kvps.ps.consistency import Consistency
-from kvps.errors import KVPSError, ProtocolError
+from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, describe
 from kvps.wire.requests import Handle, remember
 from kvps.kvstore.base import KeyInfo, KVStore
+from kvps.kvstore.checkpointer import Checkpointer
 from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.membership import Worker
+from kvps.wire.shm import MIN_BYTES, Arena, ShmRefused
 from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
@@ -39,28 +43,38 @@ class Messages:
     def __init__(self, limit, meta=None):
         self.limit = limit
         self.meta = meta or {}       # sent in every message's header
-        self._open = {}              # server -> [entries, payloads, bytes]
+        self._open = {}              # server -> [entries, payloads, bytes, shared-memory meta]
         self._all = []               # (server, message) in the order they were opened
+        self.regions = []            # shared-memory regions the messages use (busy until the call is done)
 
-    def add(self, server, entry, payload, size):
-        self.add_group(server, [(entry, payload, size)])
+    def add(self, server, entry, payload, size, shm=None, into=None):
+        """shm: the Region holding the entry's payload (then `payload` is None and the entry's
+        nbytes 0); into: the Region the server is to write the entry's value into."""
+        message = self.add_group(server, [(entry, payload, size)])
+        index = len(message[0]) - 1
+        for field, region in (("shm", shm), ("into", into)):
+            if region is not None:
+                message[3].setdefault(field, []).append([index, region.segment, region.offset])
+                self.regions.append(region)
 
     def add_group(self, server, items):
-        """Entries [(entry, payload or None, size)] that must travel in one message."""
+        """Entries [(entry, payload or None, size)] that must travel in one message; returns it."""
         total = sum(size for _, _, size in items)
         message = self._open.get(server)
         if message is None or (message[2] and message[2] + total > self.limit) or \
                 len(message[0]) + len(items) > MAX_ENTRIES:
-            message = self._open[server] = [[], [], 0]
+            message = self._open[server] = [[], [], 0, {}]
             self._all.append((server, message))
         for entry, payload, _ in items:
             message[0].append(entry)
             if payload is not None:
                 message[1].append(payload)
         message[2] += total
+        return message
 
     def __iter__(self):
-        return ((server, entries, payloads) for server, (entries, payloads, _) in self._all)
+        return ((server, entries, payloads, dict(self.meta, **shared))
+                for server, (entries, payloads, _, shared) in self._all)
 
 
 class DistKVStore(KVStore):
@@ -83,9 +97,15 @@ class DistKVStore(KVStore):
         self._optimizer_generation = 0
         self._codec = None               # gradient compression spec, or None
         self._residuals = {}             # (key, part) -> float32 error-feedback residual
+        self._pull_codec = None          # compressed pulls: the codec sent in their meta["pull"]
+        self._pulled = None              # and their kvps.ps.compression.PullDecoder
         self._copies = {}                # key -> (private copy of its last push, that push's handle)
+        self._arenas = {}                # server rank -> shm.Arena shared with it, or None (TCP only)
         # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read
         self._ahead = PullAhead() if consistency.wire() == "sync" else None
+        self._checkpoints = Checkpointer(self._node, self.cfg, self._keys, self._num_servers, consistency.wire())
+        if self.rank != 0:
+            self._checkpoints.every = 0      # periodic checkpoints are worker 0's
         if self._num_servers == 0:
             self.close()
             raise KVPSError(f"kvstore {name!r} needs servers, and this job has none "
@@ -97,7 +117,7 @@ class DistKVStore(KVStore):
             raise ValueError(f"kvstore {name!r}: {exc}") from None
 
     rank = property(lambda self: self._node.rank)
-    num_workers = property(lambda self: len(self._node.membership["workers"]))
+    num_workers = property(lambda self: self._node.num_workers)     # live workers (elastic jobs change it)
     num_servers = property(lambda self: self._num_servers)
 
     # ---- plumbing ----
@@ -109,9 +129,16 @@ class DistKVStore(KVStore):
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
         self._check_returned()
-        items = [(f"S{server}", Header(op, keys=entries, meta=dict(messages.meta)), payloads, on_reply)
-                 for server, entries, payloads in messages]
+        items = [(f"S{server}", Header(op, keys=entries, meta=meta), payloads, on_reply)
+                 for server, entries, payloads, meta in messages]
+        if self._pull_codec is not None and op in (Op.PULL, Op.PUSHPULL):
+            for _, header, _, _ in items:
+                header.meta["pull"] = self._pull_codec
+        if self._node.telemetry is not None and items:      # the call's latency and timeline events
+            items = self._node.telemetry.watch_call(op, items, self._node.name, int(priority))
         handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
+        for region in messages.regions:
+            region.busy = handle
         handle.then = then
         if async_op:
             remember(self._pending, handle)
@@ -130,22 +157,77 @@ class DistKVStore(KVStore):
         more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
         return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
 
-    def _with_values(self, items, codec=None):
-        """Messages carrying each array's parts; with a codec, float32 parts go compressed."""
+    def _with_values(self, items, codec=None, shared=(), replies=False):
+        """Messages carrying each array's parts; with a codec, float32 parts go compressed. The keys
+        in `shared` (see _shareable) are copied into their push regions of shared memory instead;
+        `replies`: ask for each part's value in its reply region where one is free (PUSHPULL)."""
         messages = Messages(self.cfg.message_bytes, {"codec": codec} if codec else {})
         for info, array in items:
             flat = array.reshape(-1)
             code = dtype_code(info.dtype)
             squeeze = codec is not None and info.dtype == np.float32
+            share = info.key in shared
             for part in info.parts:
                 seg = flat[part.start:part.stop]
+                into = self._region(part.server, info, part, "reply") if replies else None
+                if share:
+                    region = self._region(part.server, info, part, "push")
+                    np.copyto(region.array(info.dtype, seg.size), seg)
+                    messages.add(part.server, Entry(info.key, part.index, code, part.shape(info.shape), 0), None,
+                                 seg.nbytes, shm=region, into=into)
+                    continue
                 if squeeze:
                     seg = self._compress(info.key, part.index, seg)
                     entry = Entry.of(info.key, part.index, seg)
                 else:
                     entry = Entry(info.key, part.index, code, part.shape(info.shape), seg.nbytes)
-                messages.add(part.server, entry, _bytes(seg) if seg.nbytes else None, seg.nbytes)
+                messages.add(part.server, entry, _bytes(seg) if seg.nbytes else None, seg.nbytes, into=into)
         return messages
+
+    # ---- shared memory with co-located servers (kvps/wire/shm.py) ----
+    def _arena(self, server):
+        """The shared memory with server rank `server`, or None: it is on another host, or KVPS_SHM=0."""
+        try:
+            return self._arenas[server]
+        except KeyError:
+            pass
+        arena = None
+        membership = self._node.membership
+        if self.cfg.shm and membership["workers"][self.rank][0] == membership["servers"][server][0]:
+            arena = Arena(f"S{server}", functools.partial(self._attach, server))
+        self._arenas[server] = arena
+        return arena
+
+    def _attach(self, server, segment, fd, nonce):
+        meta = {"pid": os.getpid(), "fd": fd, "segment": segment, "nonce": nonce}
+        try:
+            self._node.request(f"S{server}", Header(Op.ATTACH, meta=meta),
+                               f"sharing memory with S{server}").wait(self.cfg.connect_timeout)
+        except (NodeFailure, KVTimeoutError):
+            raise
+        except KVPSError as exc:
+            raise ShmRefused(describe(exc)) from None
+
+    def _region(self, server, info, part, direction):
+        """The free region of `direction` ("push", "reply") for a part, or None (it goes over TCP)."""
+        nbytes = part.size * info.dtype.itemsize
+        if nbytes < MIN_BYTES or not self.cfg.shm:
+            return None
+        arena = self._arena(server)
+        return None if arena is None else arena.region((info.key, part.index, direction), nbytes)
+
+    def _shareable(self, items, codec):
+        """The keys of [(info, array)] whose every part can go through shared memory now."""
+        if codec is not None or not self.cfg.shm:
+            return ()
+        return {info.key for info, _ in items
+                if all(self._region(part.server, info, part, "push") is not None for part in info.parts)}
+
+    def _close_arenas(self):
+        for arena in self._arenas.values():
+            if arena is not None:
+                arena.close()
+        self._arenas.clear()
 
     def _compress(self, key, part, grad):
         residual = None
@@ -155,14 +237,16 @@ class DistKVStore(KVStore):
                 residual = self._residuals[(key, part)] = np.zeros(grad.size, np.float32)
         return compression.encode(self._codec, np.ascontiguousarray(grad), residual)
 
-    def _bare(self, infos):
-        """Messages asking for each key's parts (sized by what the replies will carry)."""
+    def _bare(self, infos, replies=False):
+        """Messages asking for each key's parts (sized by what the replies will carry); `replies`: in
+        their reply regions of shared memory where free (PULL)."""
         messages = Messages(self.cfg.message_bytes)
         for info in infos:
             code = dtype_code(info.dtype)
             for part in info.parts:
+                into = self._region(part.server, info, part, "reply") if replies else None
                 messages.add(part.server, Entry.bare(info.key, part.index, code, part.shape(info.shape)), None,
-                             part.size * info.dtype.itemsize)
+                             part.size * info.dtype.itemsize, into=into)
         return messages
 
     def _filler(self, items):
@@ -175,8 +259,12 @@ class DistKVStore(KVStore):
 
         def fill(header, payloads):
             frames = iter(payloads)
-            for entry in header.keys:
+            shared = header.meta.get("shm", ())
+            codec, delta = header.meta.get("codec"), header.meta.get("delta", False)   # compressed pull
+            for index, entry in enumerate(header.keys):
                 frame = next(frames) if entry.nbytes else None
+                if codec is not None and self._squeezed(entry, frame, dests, codec, delta):
+                    continue
                 for info, dest in dests.get((entry.key, entry.part), ()):
                     if entry.dtype != dtype_code(info.dtype) or math.prod(entry.shape) != dest.size:
                         raise ProtocolError(f"reply for key {entry.key!r} part {entry.part} is "
@@ -184,17 +272,54 @@ class DistKVStore(KVStore):
                                             f"{entry.shape}; expected {info.dtype} with {dest.size} elements")
                     if frame is not None:
                         np.copyto(dest, as_array(frame, entry).reshape(-1))
+                    elif index in shared:
+                        np.copyto(dest, self._replied(info, entry.part).array(info.dtype, dest.size))
+                first = dests.get((entry.key, entry.part))
+                if delta and self._pulled is not None and first and first[0][0].dtype == np.float32:
+                    # sent as it is (a key's first compressed pull): this worker's copy from now on
+                    self._pulled.received(entry.key, entry.part, first[0][1])
         return fill
+
+    def _squeezed(self, entry, frame, dests, codec, delta):
+        """A compressed pull's entry: decoded into its outs (True), or, sent as it is (float32), left
+        to the usual copy (False)."""
+        targets = dests.get((entry.key, entry.part), ())
+        if not targets or targets[0][0].dtype != np.float32 or entry.dtype == dtype_code(np.float32):
+            return False
+        if self._pulled is None:
+            raise ProtocolError(f"reply for key {entry.key!r} part {entry.part} is compressed, but this "
+                                f"worker asked for no compressed pulls")
+        payload = as_array(frame, entry) if frame is not None else np.empty(entry.shape, numpy_dtype(entry.dtype))
+        values = self._pulled.values(entry.key, entry.part, payload, targets[0][1].size, codec, delta,
+                                     f"compressed pull of key {entry.key!r} part {entry.part}")
+        for _, dest in targets:
+            np.copyto(dest, values)
+        return True
+
+    def _replied(self, info, part):
+        """The reply region a server wrote part `part` of a key into."""
+        arena = self._arenas.get(info.parts[part].server)
+        region = arena.existing((info.key, part, "reply")) if arena is not None else None
+        if region is None:
+            raise ProtocolError(f"a reply for key {info.key!r} part {part} names shared memory this "
+                                f"worker never offered")
+        return region
 
     # ---- the API ----
     def init(self, key, value):
         items = self._inits(key, value)
         infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape, i.dtype)) for i, _ in items]
         arrays = [a for _, a in items]
-        messages = self._with_values(list(zip(infos, arrays))) if self.rank == 0 else self._bare(infos)
+        # A worker that joined a running elastic job sets nothing: it reads the current values instead.
+        late = self._node.membership.get("late", False)
+        messages = self._with_values(list(zip(infos, arrays))) if self.rank == 0 and not late else self._bare(infos)
         self._send(Op.INIT, self._what("init", infos), messages, keep=arrays)
         for info in infos:
             self._keys[info.key] = info
+        if self.cfg.resume:
+            self._resume(infos)
+        if late:
+            self.pull(key, out=value)
 
     def push(self, key, value, priority=0, async_op=False, row_ids=None):
         """Returns once the values are copied (blocking form) and the round goes on in the background:
@@ -204,14 +329,19 @@ class DistKVStore(KVStore):
         items = self._values(key, value, "push")
         self._straggle(items)
         keys = [info.key for info, _ in items]
+        if self._checkpoints.every:
+            self._checkpoints.before_push(keys, self.wait_all)
         what = self._what("push", [i for i, _ in items])
+        shared = self._shareable(items, self._codec)
         if async_op:
             self._forget(keys)
-            messages = self._with_values(items, self._codec)
+            messages = self._with_values(items, self._codec, shared)
             return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True, priority=priority)
-        items = [(info, self._private(info, array)) for info, array in items]
-        messages = self._with_values(items, self._codec)
+        # The caller may change its arrays once push returns: their values go into shared memory, or
+        # into private copies that zmq sends from.
+        items = [(info, array if info.key in shared else self._private(info, array)) for info, array in items]
         stash = Stash() if self._ahead is not None and self._ahead.wants(keys) else None
+        messages = self._with_values(items, self._codec, shared, replies=stash is not None)
         if stash is None:
             handle = self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=None, priority=priority)
         else:
@@ -273,7 +403,8 @@ class DistKVStore(KVStore):
         stashes = self._ahead.take([i.key for i in infos]) if self._ahead is not None else None
         if stashes is not None:
             return self._pulled_ahead(items, stashes)
-        return self._send(Op.PULL, self._what("pull", infos), self._bare(infos), on_reply=self._filler(items),
+        return self._send(Op.PULL, self._what("pull", infos), self._bare(infos, replies=True),
+                          on_reply=self._filler(items),
                           keep=items, async_op=async_op, then=_finishers(items), priority=priority)
 
     def _pulled_ahead(self, items, stashes):
@@ -290,10 +421,12 @@ class DistKVStore(KVStore):
 
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
         values = self._values(key, value, "pushpull")
+        if self._checkpoints.every:
+            self._checkpoints.before_push([info.key for info, _ in values], self.wait_all)
         self._forget([info.key for info, _ in values])
         self._straggle(values)
         outs = self._outs(key, value if out is None else out, "pushpull")
-        messages = self._with_values(values, self._codec)
+        messages = self._with_values(values, self._codec, self._shareable(values, self._codec), replies=True)
         return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), messages,
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
                           then=_finishers(outs), priority=priority)
@@ -350,6 +483,7 @@ class DistKVStore(KVStore):
 
     def set_optimizer(self, optimizer):
         spec = optimizer.spec()
+        self._checkpoints.optimizer = spec
         self._optimizer_generation += 1
         meta = {"generation": self._optimizer_generation, "spec": spec}
         handle = self._node.request_many(
@@ -360,8 +494,16 @@ class DistKVStore(KVStore):
     def set_gradient_compression(self, compression_params):
         """Compress float32 pushes from now on (MXNet's dict form, e.g. {"type": "2bit", "threshold": 0.5});
         see kvps.ps.compression for the types. {"type": "none"} turns it off."""
-        self._codec = compression.check(compression_params)
+        spec = compression.check(compression_params)
+        self._codec = compression.wire(spec)
         self._residuals.clear()
+        pull = compression.pulls(spec)
+        if pull != self._pull_codec:         # what this worker holds of each key starts over too
+            self._pulled = compression.PullDecoder() if pull else None
+        self._pull_codec = pull
+        # A pulled-ahead reply may be applied late or never, and a compressed change must be added
+        # exactly once, in order: compressed pulls go as pulls.
+        self._ahead = PullAhead() if pull is None and self.consistency.wire() == "sync" else None
 
     def barrier(self):
         """Wait until every worker reaches the barrier. In async and ssp modes a push is applied on
@@ -396,6 +538,95 @@ class DistKVStore(KVStore):
 
     def _healthy(self):
         return self._node.failure is None
+
+    # ---- checkpoints (kvps/kvstore/checkpointer.py; docs/checkpoint.md) ----
+    def save(self, path, dump_optimizer=False):
+        """Collective: write every key's value, the servers' optimizer state and the round/clock
+        counters to the directory `path` (on a file system every node shares), then a manifest.
+        Every worker calls it; it returns once the checkpoint is whole. A half-written checkpoint
+        is never taken for a whole one, and an earlier one in `path` stays valid until the new
+        one replaces it. Raises on worker 0 (which sends the requests) what went wrong."""
+        self.wait_all()
+        self._checkpoints.wait()
+        self._node.barrier("workers")
+        error = None
+        if self.rank == 0:
+            try:
+                # every worker waits between the barriers: the servers need not copy their state
+                self._checkpoints.start_save(path, self._checkpoints.step or None, dump_optimizer, hold=True)()
+            except Exception as exc:     # the others must still leave the barrier
+                error = exc
+        self._node.barrier("workers")
+        if error is not None:
+            raise error
+
+    def load(self, path, optimizer_states=True):
+        """Collective: restore every initialised key from checkpoint `path`, which any number of
+        servers may have saved (each server reads the rows it now holds), with the optimizer
+        state unless optimizer_states=False (the optimizer then starts afresh). Every worker
+        checks the manifest first: a missing, corrupt or mismatched checkpoint raises
+        kvps.ps.checkpoint.CheckpointError naming the file and what is wrong, before any change."""
+        infos = list(self._keys.values())
+        self.wait_all()
+        self._checkpoints.wait()
+        self._checkpoints.check(path, infos)
+        self._forget([info.key for info in infos])
+        self._node.barrier("workers")
+        error = None
+        if self.rank == 0:
+            try:
+                self._checkpoints.load(path, infos, "all" if optimizer_states else "values")
+            except Exception as exc:
+                error = exc
+        self._node.barrier("workers")
+        if error is not None:
+            raise error
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """MXNet's call, in dist mode too (MXNet refuses there, its issue #15923): one worker saves
+        the servers' optimizer state, with the values and counters, as a checkpoint directory
+        `fname`. Not a collective: call it from one worker (MXNet scripts test kv.rank == 0); a
+        second save while one is being written is refused. The optimizer's name and parameters are
+        always in the manifest (JSON, never pickle); dump_optimizer=True also lets
+        load_optimizer_states set it when none is set."""
+        self.wait_all()
+        self._checkpoints.wait()
+        self._checkpoints.start_save(fname, None, dump_optimizer)()
+
+    def load_optimizer_states(self, fname):
+        """MXNet's call: restore the servers' optimizer state (moments, step counts) from `fname`,
+        leaving the values. Any worker may call it, and all may (loading the same state twice
+        changes nothing); into the optimizer set now, or the next one set_optimizer sets."""
+        from kvps.optimizer import Optimizer
+        infos = list(self._keys.values())
+        manifest = self._checkpoints.check(fname, infos)
+        spec = manifest.get("optimizer")
+        if manifest.get("dump_optimizer") and spec and self._checkpoints.optimizer is None:
+            self.set_optimizer(Optimizer(spec["name"], **spec["params"]))
+        self.wait_all()
+        self._checkpoints.load(fname, infos, "optimizer")
+
+    def _resume(self, infos):
+        """KVPS_RESUME: the keys just initialised take their saved state (every worker checks the
+        manifest; worker 0 sends LOAD; the barrier keeps the others from pulling before it lands)."""
+        self._checkpoints.resume_manifest()
+        self._checkpoints.check(self.cfg.resume, infos)
+        self._forget([info.key for info in infos])
+        if self.rank == 0:
+            self._checkpoints.load(self.cfg.resume, infos, "all")
+        self._node.barrier("workers")
+
+    def close(self):
+        """Wait for a periodic checkpoint still being written, then leave (KVStore.close)."""
+        if not self._closed and self._healthy():
+            try:
+                self._checkpoints.wait()
+            except KVPSError as exc:
+                log.error("%s", exc)
+        try:
+            super().close()
+        finally:
+            self._close_arenas()        # after leaving: no request names a segment any more
 
 
 def _finishers(items):

@@ -18,7 +18,8 @@ and the rules are (kvps/ps/consistency.py names the modes, docs/consistency.md e
     ssp:s     a pull from a worker at clock c waits until every active worker's clock >= c - s
 
 Joined workers (worker_joined) hold nobody back; a pull that waits for a worker that is gone
-fails with NodeFailure naming why it left.
+fails with NodeFailure naming why it left. In an elastic job, removed workers (vacant ranks) hold
+nobody back either, and a worker added while a slot's round is open (`late`) sits that round out.
 """
 from kvps.errors import NodeFailure
 
@@ -34,10 +35,12 @@ class Clocks:
         self.consistency = consistency
         self.joined = set()              # workers that count as pushing zeros (see Store.worker_joined)
         self.gone = {}                   # worker -> reason it can no longer push
+        self.removed = set()             # elastic: vacant ranks (dead workers the scheduler removed)
+        self.late = {}                   # elastic: slot id -> workers added while its round was open
         self.staleness = []              # staleness -> number of applied pushes that stale
 
     def active(self):
-        return [w for w in range(self.num_workers) if w not in self.joined]
+        return [w for w in range(self.num_workers) if w not in self.joined and w not in self.removed]
 
     # ---- pulls ----
     def pull_state(self, slot, worker):
@@ -79,7 +82,14 @@ class Clocks:
 
     def round_complete(self, slot):
         """Enough workers have pushed into the open round (joined ones count as pushing zeros)."""
-        return len(slot.in_round | self.joined) >= self.num_workers - self.consistency.backup
+        done = slot.in_round | self.joined
+        if self.removed or self.late:
+            done = done | self.removed | self.late.get(slot.id, frozenset())
+        return len(done) >= self.num_workers - self.consistency.backup
+
+    def sits_out(self, slot, worker):
+        """Elastic: True for a worker added while this slot's open round was under way."""
+        return bool(self.late) and worker in self.late.get(slot.id, ())
 
     def applied(self, slot, worker):
         """Record the staleness of `worker`'s push, applied now, before slot.version counts it:

@@ -11,6 +11,9 @@ Modes (docs/consistency.md says how to choose):
     async         pushes are applied on arrival; pulls never wait
     ssp, s        stale synchronous parallel: pushes applied on arrival, but a worker may run at most
                   s pushes ahead of the slowest worker on a key (s = 0: sync's waiting, inf: async)
+    geo, k        GEO-SGD (Paddle's geo mode): workers train locally and every k steps push the change
+                  of their weights; servers add what arrives (as async without an optimizer) and
+                  refuse optimizers; kvps/kvstore/geo.py is the worker's side
 
 The wire string is what every worker sends when it registers, so the scheduler can refuse a job
 whose workers disagree, and what the servers build their Store from. Only the canonical spelling
@@ -24,8 +27,9 @@ import re
 
 from kvps.errors import ProtocolError
 
-MODES = ("sync", "async", "ssp")
+MODES = ("sync", "async", "ssp", "geo")
 HOW = {"ssp": "kvps.create('dist_ssp:4') or kvps.create('dist_ssp', staleness=4) (an int >= 0, or 'inf')",
+       "geo": "kvps.create('dist_geo:4') or kvps.create('dist_geo', k_steps=4) (an int >= 1)",
        "sync": "kvps.create('dist_sync:backup=1') or kvps.create('dist_sync', backup_workers=1)"}
 
 
@@ -35,6 +39,7 @@ class Consistency:
     mode: str = "sync"
     staleness: float = 0     # ssp: how many pushes a worker may run ahead of the slowest (int, or math.inf)
     backup: int = 0          # sync: backup workers b (a round closes after W - b pushes)
+    k_steps: int = 0         # geo: local steps between two syncs of a key (>= 1)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -47,14 +52,19 @@ class Consistency:
             _check_int(self.backup, "backup_workers")
         elif self.backup != 0:
             raise ValueError(f"backup_workers={self.backup!r} applies to dist_sync only, not {self.mode}")
+        if self.mode == "geo":
+            _check_k_steps(self.k_steps)
+        elif self.k_steps != 0:
+            raise ValueError(f"k_steps={self.k_steps!r} applies to dist_geo only, not {self.mode}")
 
     @classmethod
-    def parse(cls, mode, suffix="", name=None, staleness=None, backup_workers=None):
+    def parse(cls, mode, suffix="", name=None, staleness=None, backup_workers=None, k_steps=None):
         """The mode of a kvstore type: `mode` from its base name ("ssp" for dist_ssp), `suffix` the
         text after its ':' ("4", "inf", "backup=1"), and create()'s options. Raises ValueError
         naming the type and the bad value; a suffix and an option that disagree are an error too."""
         name = name or (f"{mode}:{suffix}" if suffix else mode)
-        for option, value, owner in (("staleness", staleness, "ssp"), ("backup_workers", backup_workers, "sync")):
+        for option, value, owner in (("staleness", staleness, "ssp"), ("backup_workers", backup_workers, "sync"),
+                                     ("k_steps", k_steps, "geo")):
             if value is not None and mode != owner:
                 raise ValueError(f"{option}={value!r} applies to dist_{owner}, not {name!r}")
         if mode == "ssp":
@@ -77,6 +87,15 @@ class Consistency:
                 _check_int(backup_workers, "backup_workers")
             given = int(match.group(1)) if match else None
             return cls("sync", backup=int(_agree(name, suffix, given, "backup_workers", backup_workers) or 0))
+        if mode == "geo":
+            if suffix and not re.fullmatch(r"\d+", suffix):
+                raise ValueError(f"k_steps {suffix!r} in kvstore type {name!r} must be an int >= 1")
+            if k_steps is not None:
+                _check_k_steps(k_steps)
+            k = _agree(name, f"k_steps {suffix}", int(suffix) if suffix else None, "k_steps", k_steps)
+            if k is None:
+                raise ValueError(f"kvstore type {name!r} needs the steps between syncs: {HOW['geo']}")
+            return cls("geo", k_steps=int(k))
         if suffix:
             raise ValueError(f"kvstore type {name!r}: {mode} takes no ':' options")
         return cls(mode)
@@ -87,6 +106,8 @@ class Consistency:
             return f"ssp:{'inf' if math.isinf(self.staleness) else int(self.staleness)}"
         if self.mode == "sync" and self.backup:
             return f"sync:backup={self.backup}"
+        if self.mode == "geo":
+            return f"geo:{self.k_steps}"
         return self.mode
 
     __str__ = wire
@@ -132,6 +153,11 @@ def _agree(name, said, from_suffix, option, value):
 def _check_int(value, what):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{what}={value!r} must be an int >= 0")
+
+
+def _check_k_steps(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"k_steps={value!r} must be an int >= 1 (local steps between two syncs)")
 
 
 def _check_staleness(value):

@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from kvps import kernels
-from kvps.errors import ConfigError
+from kvps.errors import ConfigError, KVValueError
 from kvps.optimizer import SGD, NAG, Adam, AdamW, AdaGrad, RMSProp
 
 FLOATS = {np.dtype(np.float32), np.dtype(np.float64)}
@@ -205,3 +205,43 @@ class RuleState:
             low = np.empty(sub.shape, weight.dtype)
             kernels.cast(sub.reshape(-1), low.reshape(-1))
             weight[rows] = low
+
+    # ---- checkpoints (kvps/ps/store.py exports and restores through these) ----
+    def export(self, slot_id, copy=True):
+        """A key's (master weight or None, step count, state arrays), copies unless `copy` is False,
+        or None before its first update."""
+        entry = self._state.get(slot_id)
+        if entry is None:
+            return None
+        master, count, state = entry
+        dup = (lambda a: a.copy()) if copy else (lambda a: a)
+        return (None if master is None else dup(master), count, [None if s is None else dup(s) for s in state])
+
+    def restore_all(self, states, source):
+        """Take saved state {slot id: (master, count, state arrays) or None}; `source` is (checkpoint path,
+        optimizer name that saved it). Checks everything first (KVValueError naming the key, the
+        checkpoint and what differs), then replaces this rule's state for those keys."""
+        path, saved_name = source
+        if saved_name is not None and saved_name != self.rule.name:
+            raise KVValueError(f"checkpoint {path} holds the state of optimizer {saved_name!r}; this job's "
+                               f"optimizer is {self.rule.name!r} (set the one that saved it, or load the "
+                               f"weights only: kv.load(path, optimizer_states=False))")
+        for slot_id, saved in states.items():
+            if saved is None:
+                continue
+            master, count, state = saved
+            like = master if master is not None else next((s for s in state if s is not None),
+                                                          np.zeros(0, np.float32))
+            template = self.rule.create_state(like)
+            kinds = [s is None for s in template]
+            if len(state) != len(template) or [s is None for s in state] != kinds:
+                raise KVValueError(f"checkpoint {path}: key {slot_id[0]!r} part {slot_id[1]} holds "
+                                   f"{sum(s is not None for s in state)} state arrays of {self.rule.name!r}; "
+                                   f"this job's {self.rule.name} keeps {kinds.count(False)} "
+                                   f"(its parameters, e.g. momentum, differ)")
+        for slot_id, saved in states.items():
+            if saved is None:            # saved before its first update, or the weights only: start afresh
+                self._state.pop(slot_id, None)
+            else:
+                master, count, state = saved
+                self._state[slot_id] = [master, int(count), list(state)]

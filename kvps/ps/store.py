@@ -22,6 +22,8 @@ of holding everyone back.
 
 Async mode: each push is applied when it arrives: the optimizer if one is set,
 otherwise the pushed value is added to the stored one (delta pushes, as BytePS).
+GEO mode ("geo:k") is async without an optimizer: each push (a worker's weight change) is added
+on arrival, and set_rule refuses.
 
 SSP mode ("ssp:s", stale synchronous parallel): pushes are applied as in async mode,
 but a pull from a worker that has pushed a key c times waits until every active
@@ -40,8 +42,14 @@ Join (sync mode, Horovod's join): a worker that has run out of data calls
 `worker_joined`; from then on it counts as pushing zeros into every round, so a
 round closes once every other worker has pushed, and open rounds that this
 completes close at once. When every worker has joined, all count as active again.
+
+Elastic jobs (KVPS_ELASTIC): `worker_removed` takes a dead worker's rank out of the job, so rounds
+close with the workers that remain (a push it made before it died still counts in its round);
+`worker_added` brings a rank back: a key whose round is open closes that round without it, and the
+new worker's pull waits for it, so it starts from the current value and pushes into the next round.
 """
 import logging
+import time
 
 import numpy as np
 
@@ -61,7 +69,7 @@ def _show(dtype, shape):
 class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
-                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent")
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -79,6 +87,7 @@ class Slot:
         self.pull_waiters = []           # (worker, done, rows)
         self.merge = None                # scratch buffer for the round's sum
         self.sent = []                   # zmq trackers of replies still reading value
+        self.opened = 0.0                # time.time() of the open round's first push (with an observer)
 
     def name(self):
         key, part = self.id
@@ -123,7 +132,11 @@ class Store:
         self.mode = self.consistency.mode
         self.clocks = Clocks(num_workers, self.consistency)
         self.rule = None
+        self.restored, self.restored_from = {}, None   # loaded optimizer state waiting for set_rule
         self.slots = {}
+        # round_closed(slot, opened, merge_start, closed) and updated(slot, start, end), with time.time()
+        # stamps (kvps.metrics.telemetry.Telemetry); None: nothing is timed
+        self.observer = None
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
                       "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
                       "staleness": self.clocks.staleness}
@@ -131,6 +144,7 @@ class Store:
     # workers that count as pushing zeros (see worker_joined), and those gone (worker -> why)
     joined = property(lambda self: self.clocks.joined)
     gone = property(lambda self: self.clocks.gone)
+    removed = property(lambda self: self.clocks.removed)      # elastic: vacant ranks
 
     # ---- checks (raise before anything changes) ----
     def slot(self, key, part, initialised=True):
@@ -198,6 +212,16 @@ class Store:
                             f"this worker's init has {_show(dtype, shape)}")
 
     def set_rule(self, rule):
+        """Apply `rule` from now on. Optimizer state loaded from a checkpoint before any rule was set
+        (kvps/ps/checkpoint.py) goes into this one; a mismatch raises KVValueError and changes nothing."""
+        if self.mode == "geo":
+            # GEO's pushes are weight changes that each worker's own optimizer made: a rule would
+            # take them for gradients and step a second time.
+            raise KVValueError(f"a {self.consistency.wire()} job runs no server optimizer (the servers add "
+                               f"the workers' weight changes); each worker steps its own")
+        if self.restored:
+            rule.restore_all(self.restored, self.restored_from)
+            self.restored, self.restored_from = {}, None
         self.rule = rule
 
     def push(self, worker, key, part, array, done, rows=None):
@@ -231,9 +255,11 @@ class Store:
         self._enter(slot, worker, array, done)
 
     def _enter(self, slot, worker, array, done):
-        if worker in slot.in_round:
+        if worker in slot.in_round or self.clocks.sits_out(slot, worker):
             slot.early.append((worker, array, done))
             return
+        if self.observer is not None and not slot.in_round:
+            slot.opened = time.time()
         slot.in_round.add(worker)
         slot.pending.append(array)
         slot.acks.append(done)
@@ -246,6 +272,9 @@ class Store:
         for worker in self.joined - slot.in_round:
             slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
         slot.pending, slot.acks, slot.in_round = [], [], set()
+        if self.clocks.late:
+            self.clocks.late.pop(slot.id, None)
+        merge_start = time.time() if self.observer is not None else 0.0
         try:
             self._merge(slot, pending)
         except Exception as exc:
@@ -262,6 +291,8 @@ class Store:
             self.clocks.applied(slot, worker)
         slot.version += 1
         self.stats["rounds"] += 1
+        if self.observer is not None:
+            self.observer.round_closed(slot, slot.opened or merge_start, merge_start, time.time())
         for ack in acks:
             ack(None)
         self._release_pulls(slot)
@@ -320,8 +351,11 @@ class Store:
                 slot.value[grad.ids] += grad.values
             return
         if self.rule is not None:
+            start = time.time() if self.observer is not None else 0.0
             self.rule(slot.id, slot.value, grad.reshape(slot.shape))
             self.stats["updates"] += 1
+            if self.observer is not None:
+                self.observer.updated(slot, start, time.time())
         else:
             kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))
 
@@ -395,9 +429,40 @@ class Store:
         elif self.mode == "ssp":
             for slot in self.slots.values():
                 self._release_pulls(slot)
-        if len(self.joined) == self.num_workers:
+        if len(self.joined | self.removed) >= self.num_workers:
             self.joined.clear()
             self.stats["last_joined"] = worker
+
+    def worker_removed(self, worker):
+        """Elastic: the scheduler removed this worker (it died, or left); rounds and ssp pulls stop
+        waiting for it, and what it had queued for later rounds is dropped."""
+        self.removed.add(worker)
+        self.joined.discard(worker)
+        for late in self.clocks.late.values():
+            late.discard(worker)
+        for slot in self.slots.values():
+            slot.early = [item for item in slot.early if item[0] != worker]
+            slot.pull_waiters = [item for item in slot.pull_waiters if item[0] != worker]
+            if self.mode == "sync" and slot.in_round and self.clocks.round_complete(slot):
+                self._close_round(slot)
+            elif self.mode == "ssp":
+                self._release_pulls(slot)
+
+    def worker_added(self, worker):
+        """Elastic: a new worker took a vacant rank. Per key it starts from the current value: a sync
+        round under way closes without it (its pull waits for that round, its push goes to the
+        next); in ssp its clock starts at the fastest worker's, so it holds nobody back."""
+        self.removed.discard(worker)
+        self.gone.pop(worker, None)
+        for slot in self.slots.values():
+            slot.seen[worker] = slot.version
+            if self.mode == "sync":
+                slot.pushes[worker] = slot.version + (1 if slot.in_round else 0)
+                if slot.in_round:
+                    self.clocks.late.setdefault(slot.id, set()).add(worker)
+            else:
+                slot.pushes[worker] = max((slot.pushes.get(w, 0) for w in self.clocks.active() if w != worker),
+                                          default=0)
 
     def worker_gone(self, worker, reason):
         """A worker left or died: fail every sync round, and every ssp pull, that waits for it."""
@@ -419,3 +484,60 @@ class Store:
                 for _, done, _ in slot.pull_waiters:
                     done(error)
                 slot.pull_waiters = []
+
+    # ---- checkpoints (the file format is kvps/ps/checkpoint.py's) ----
+    def export(self, copy=True):
+        """Every initialised slot's value, update-rule state and round/clock counters, as records for
+        checkpoint.pack. Runs on the store's thread; with `copy` the arrays are copies, which the
+        caller may write from any thread while training goes on; without, they are the live arrays
+        (the caller must hold back every request that would change them until it is done)."""
+        out = []
+        for slot in self.slots.values():
+            if slot.value is None:
+                continue
+            opt = self.rule.export(slot.id, copy) if self.rule is not None else None
+            key, part = slot.id
+            # The clocks of the value saved: pushes waiting in an open round are not in it (a job
+            # resumed from here has those workers push them again).
+            pushes = dict(slot.pushes)
+            for worker in [*slot.in_round, *(w for w, _, _ in slot.early)]:
+                pushes[worker] -= 1
+            out.append({"key": key, "part": part, "value": slot.value.copy() if copy else slot.value, "opt": opt,
+                        "version": slot.version, "pushes": sorted(pushes.items()),
+                        "seen": sorted(slot.seen.items())})
+        return out
+
+    def check_restore(self, key, part, shape, dtype, idle=True):
+        """Raise (before anything changes) unless (key, part) may take a loaded state now; `idle`:
+        no round or pull may be in progress (optimizer state alone may load during a round, which
+        applies it when it closes)."""
+        slot = self.check(key, part, dtype, shape)
+        if idle and (slot.pending or slot.early or slot.pull_waiters):
+            raise KVValueError(f"{slot.name()} has a sync round or a pull in progress; load a checkpoint "
+                               f"while no worker pushes (kv.load waits for every worker)")
+        return slot
+
+    def restore(self, slot, value=None, counters=None, same_clocks=True):
+        """Replace a slot's value (the array itself is kept) and, with `counters` ({"version",
+        "pushes", "seen"} as saved), its round/clock counters. With `same_clocks` False (the job
+        that saved had other workers or another mode) every worker starts level at the saved version."""
+        if value is not None:
+            slot.value, slot.merge, slot.sent = value, None, []
+        if counters is not None:
+            slot.version = int(counters["version"])
+            if same_clocks:
+                slot.pushes = {int(w): c for w, c in counters["pushes"]}
+                slot.seen = {int(w): v for w, v in counters["seen"]}
+            else:
+                slot.pushes = {w: slot.version for w in range(self.num_workers)}
+                slot.seen = dict(slot.pushes)
+
+    def restore_optimizer(self, states, source):
+        """Loaded update-rule state {slot id: (master, count, state arrays)}: into the current rule,
+        or, when none is set yet, kept for the next set_rule. `source` (the checkpoint's path and
+        the name of the optimizer that saved) goes into the errors of a rule that does not fit."""
+        if self.rule is not None:
+            self.rule.restore_all(states, source)
+        else:
+            self.restored.update(states)
+            self.restored_from = source

@@ -22,7 +22,7 @@ class _Distributed:
         prefix = _SESSION.prefix(kv, "o")
         self._keys = [prefix + name for name in self._names]
         n = len(self._params)
-        if mode == "async":
+        if mode in ("async", "geo"):
             bucket_bytes = 0                           # each push is an update of its own on the servers
         elif kv.type == "allreduce":                   # the ring fuses up to this much into one collective
             bucket_bytes = min(bucket_bytes, kv.cfg.fusion_bytes)
@@ -49,7 +49,10 @@ class _Distributed:
             else:
                 self._base = [w.clone() for w in weights]
             kv.barrier()                               # nobody's pushes reach a worker's first pull
-        if not (mode == "async" and update_on == "worker"):
+        if mode == "geo":
+            kv.pull(self._keys, out=weights)           # every worker starts from rank 0's weights ...
+            kv.barrier()                               # ... before anyone's first sync changes them
+        if not (mode == "async" and update_on == "worker") and mode != "geo":
             for i, p in enumerate(self._params):
                 p.register_post_accumulate_grad_hook(self._hook(i))
         log.info("W%s: %s over %s (mode %s%s), %d parameters in %d buckets as keys %s*", kv.rank,
@@ -112,7 +115,13 @@ class _Distributed:
         """Wait for every bucket's reduction (sending, in bucket order, those not sent yet: a bucket
         with an unused parameter, which goes as zeros, or fewer backward passes than
         backward_passes_per_step) and average the gradients (sync, allreduce), or fetch the servers'
-        fresh weights (async)."""
+        fresh weights (async). geo: a collective that sends every change not sent yet and leaves every
+        worker the merged weights (call it at the end of training, on every worker)."""
+        if self._mode == "geo":
+            weights = [p.detach() for p in self._params]
+            self._kv.sync(self._keys)
+            self._kv.pull(self._keys, out=weights)
+            return
         if self._mode == "async" and self._update_on == "worker":
             return
         for b in range(len(self._buckets)):
@@ -142,6 +151,11 @@ class _Distributed:
                 loss = closure()
         if self._mode == "async" and self._update_on == "worker":
             self._step_deltas()
+            return loss
+        if self._mode == "geo":
+            super().step()                             # a local step; every K-th also syncs (GEO)
+            weights = [p.detach() for p in self._params]
+            self._kv.pushpull(self._keys, weights, out=weights)
             return loss
         if self._mode == "async" and server_optimizer(self).spec() != self._rule.spec():
             raise ValueError(f"the servers run {self._rule}, set when the optimizer was wrapped, and the "
@@ -183,13 +197,17 @@ class _Skip:
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compression=None,
-                         backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES):
+                         backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES,
+                         k_steps=None):
     """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
 
     mode: "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
     (dist_async: update_on="server", the default, runs the optimizer on the servers; "worker"
-    steps locally and pushes weight deltas). compression: None, "fp16", "bf16", "2bit", "1bit",
-    "topk" or a dict as kv.set_gradient_compression takes. backward_passes_per_step: gradients
+    steps locally and pushes weight deltas), or "geo" (dist_geo, GEO-SGD: every worker steps
+    locally and every k_steps steps sends its weights' change and takes the merged weights;
+    synchronize() at the end leaves every worker the same weights). compression: None, "fp16",
+    "bf16", "2bit", "1bit", "topk" or a dict as kv.set_gradient_compression takes ("pull": True
+    compresses what comes back too). backward_passes_per_step: gradients
     accumulate locally (summed, as torch does) and are sent on every k-th backward pass.
     kvstore: use this kvstore instead of the process's (kvps.torch.init). bucket_bytes (sync,
     allreduce): gradients travel in buckets of about this size (25 MiB, as torch DDP; the first
@@ -206,13 +224,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compress
     _type(mode)
     if update_on not in (None, "server", "worker") or (update_on is not None and mode != "async"):
         raise ValueError(f"update_on={update_on!r}: give 'server' or 'worker', and only with mode='async'")
+    if k_steps is not None and mode != "geo":
+        raise ValueError(f"k_steps={k_steps!r} applies to mode='geo' only, not mode={mode!r}")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 0 (0: one bucket per parameter)")
     named = _named(optimizer, named_parameters)
-    kv = _SESSION.kvstore(mode, kvstore)
-    if kv.type not in (SUMMING if mode != "async" else ASYNC if update_on != "worker" else {"dist_async"}):
+    kv = _SESSION.kvstore(mode, kvstore, k_steps)
+    if mode == "geo":
+        if getattr(kv, "mode", None) != "geo":
+            raise ValueError(f"mode='geo' cannot run on a {kv.type} kvstore (it needs dist_geo:K)")
+        if k_steps is not None and kv.k_steps != k_steps:
+            raise ValueError(f"k_steps={k_steps!r}, but this process's kvstore syncs every {kv.k_steps} steps")
+    elif kv.type not in (SUMMING if mode != "async" else ASYNC if update_on != "worker" else {"dist_async"}):
         raise ValueError(f"mode={mode!r}{', update_on=' + repr(update_on) if update_on else ''} cannot run on "
                          f"a {kv.type} kvstore (it needs {_type(mode)})")
     cls = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {"__module__": "kvps.torch"})

@@ -5,7 +5,7 @@ import weakref
 
 import kvps
 
-MODES = {"sync": "dist_sync", "async": "dist_async", "allreduce": "allreduce"}
+MODES = {"sync": "dist_sync", "async": "dist_async", "allreduce": "allreduce", "geo": "dist_geo"}
 # kvstore types whose pushpull returns the sum of the workers' pushes (when no optimizer is set),
 # and those that apply each push as it comes (local, one worker, is both).
 SUMMING = {"dist_sync", "dist", "dist_sync_device", "allreduce", "local", "device"}
@@ -24,14 +24,16 @@ class Session:
         self.mode = None                               # the mode self.kv was made for, if made here
         self._counts = weakref.WeakKeyDictionary()     # kvstore -> Counter of key prefixes handed out
 
-    def kvstore(self, mode=None, kvstore=None):
+    def kvstore(self, mode=None, kvstore=None, k_steps=None):
         if kvstore is not None:
             if self.kv is None:
                 self.kv = kvstore
             return kvstore
         if self.kv is None:
             self.mode = mode or "sync"
-            self.kv = kvps.create(_type(self.mode))
+            if self.mode == "geo" and k_steps is None:
+                raise ValueError("mode='geo' needs k_steps=K (the local steps between two syncs)")
+            self.kv = kvps.create(_type(self.mode), **({"k_steps": k_steps} if self.mode == "geo" else {}))
         elif mode is not None and self.mode is not None and mode != self.mode:
             raise ValueError(f"mode={mode!r} needs a {_type(mode)} kvstore, but this process's kvps.torch "
                              f"kvstore is {self.kv.type} (made for mode={self.mode!r} by an earlier call); call "
@@ -54,11 +56,12 @@ def _type(mode):
     return MODES[mode]
 
 
-def init(mode="sync", kvstore=None):
+def init(mode="sync", kvstore=None, k_steps=None):
     """The kvstore kvps.torch uses in this process: `kvstore` if given (adopted), else one created
-    with kvps.create for `mode` (sync: dist_sync, async: dist_async, allreduce: allreduce).
-    Call it first when the first kvps.torch call is not the one that sets the mode."""
-    return _SESSION.kvstore(mode, kvstore)
+    with kvps.create for `mode` (sync: dist_sync, async: dist_async, allreduce: allreduce, geo:
+    dist_geo with k_steps=K). Call it first when the first kvps.torch call is not the one that sets
+    the mode."""
+    return _SESSION.kvstore(mode, kvstore, k_steps)
 
 
 def join(kvstore=None):

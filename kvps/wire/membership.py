@@ -11,6 +11,16 @@ KVPS_HEARTBEAT_TIMEOUT fails every pending and later call with NodeFailure.
 When the scheduler reports a dead node (NODE_FAILED), the same happens, with
 the dead node's name in the message. A worker that left on purpose (NODE_LEFT)
 is no failure: it only goes into `left` and to the on_worker_left hook.
+
+Elastic jobs (KVPS_ELASTIC=1): the scheduler removes a dead worker instead of failing the job,
+and a worker that registers later takes a vacant rank; every node gets WORKERS with the new table
+(`num_workers` counts the live ranks) and the on_workers hook. Workers resend unanswered data
+requests when KVPS_RESEND_TIMEOUT or KVPS_FAULTS is set (kvps/wire/requests.py); KVPS_FAULTS makes
+workers and servers lose, repeat and delay data messages (kvps/wire/faults.py, test only).
+
+A scheduler that dies need not end the job: with KVPS_SCHEDULER_GRACE a node keeps working that
+much longer, and when a scheduler started with --recover answers its heartbeats (a new
+`incarnation`), it registers again with its rank and resends its unanswered barriers.
 """
 import logging
 import os
@@ -19,6 +29,8 @@ import threading
 import time
 
 from kvps.errors import KVPSError, NodeFailure, describe
+from kvps.wire import keys as job_keys
+from kvps.wire.faults import Faults
 from kvps.wire.requests import Handle, Requests, node_failure
 from kvps.wire.protocol import Header, Op
 from kvps.wire.throttle import escape
@@ -78,15 +90,37 @@ class Node:
         self.name = "?"
         self.rank = None
         self.membership = None
-        self.requests = Requests()
+        # Only a worker's data requests are resent (the scheduler's control plane is never faulted).
+        self.requests = Requests(cfg.resend_after if role == "worker" else 0.0,
+                                 keep_control=cfg.scheduler_grace > 0)
         # Only a worker's requests carry priorities (servers answer in arrival order).
         credit = cfg.send_credit if role == "worker" else 0
+        # CURVE (docs/security.md): loaded before the Van exists, so bad keys leave nothing open.
+        self.keys = job_keys.for_node(cfg, role, cfg.rank, [cfg.scheduler[0] if cfg.scheduler else None, cfg.host])
         self.van = Van(f"{role}-{os.getpid()}", self._on_message, self._on_bad, credit=credit)
+        if self.keys is not None:
+            self.van.secure(self.keys)
+            self.name = self.keys.name      # known before registering: peers check every src against the key
+        self.faults = Faults.of_config(cfg, role)
+        if self.faults is not None:
+            self.van.inject(self.faults)
         self.van.limit_messages(cfg.max_message_bytes)
         self.van.when_dead(self._io_died)
+        # Metrics and the timeline (docs/observability.md): None unless KVPS_METRICS_PORT or
+        # KVPS_TIMELINE is set, and then not even imported.
+        self.telemetry = None
+        if cfg.metrics_port is not None or cfg.timeline:
+            from kvps.metrics.telemetry import Telemetry
+            self.telemetry = self.van.telemetry = Telemetry(cfg, role, advertised_host(cfg), rank=lambda: self.rank)
+            if self.telemetry.metrics is not None:
+                self.telemetry.metrics.derive("kvps_send_queue_depth", lambda: {(): self.van.backlog()[0]})
+                if role == "worker":
+                    self.telemetry.metrics.derive("kvps_send_inflight_bytes", lambda: {(): self.van.backlog()[1]})
         self._meta = dict(meta or {})
         self._last_heard = time.monotonic()
         self.failure = None             # NodeFailure once the job is broken
+        self._incarnation = None        # the scheduler's (see _reregister)
+        self._register_meta = {}
         self.left = set()               # workers that closed cleanly
         self._ended = None              # what ended this node's waits: its failure, or its stop
         self._end_listeners = []
@@ -98,21 +132,38 @@ class Node:
         host, port = self.cfg.require_scheduler()
         self.van.connect(SCHEDULER, host, port)
         self.van.every(self.cfg.heartbeat_interval, self._heartbeat)
+        if self.requests.resend_after:
+            self.van.every(self.requests.resend_after / 2, self._resend)
         self.van.start()
         meta = dict(self._meta, role=self.role, host=advertised_host(self.cfg),
-                    port=self.van.port or 0, pid=os.getpid(), rank=self.cfg.rank)
+                    port=self.van.port or 0, pid=os.getpid(),
+                    rank=self.cfg.rank if self.keys is None else parse_name(self.keys.name)[1])
+        if self.telemetry is not None and self.telemetry.port is not None:
+            meta["metrics_port"] = self.telemetry.port
+        self._register_meta = meta
         self._last_heard = time.monotonic()
         handle = self.request(SCHEDULER, Header(Op.REGISTER, meta=meta),
                               what=f"{self.role} registering with the scheduler at {host}:{port} "
-                                   f"(are all {self.cfg.num_servers} servers and {self.cfg.num_workers} workers started?)",
+                                   f"(are all {self.cfg.num_servers} servers and {self.cfg.num_workers} workers started"
+                                   f"{'' if self.keys is None else ', with keys of the same job'}?)",
                               on_reply=self._on_membership, timeout=self.cfg.connect_timeout)
         handle.wait()
         log.info("%s registered: %d servers, %d workers", self.name,
                  len(self.membership["servers"]), len(self.membership["workers"]))
 
+    @property
+    def num_workers(self):
+        """The live workers of the job (an elastic job's count changes; vacant ranks do not count)."""
+        return sum(1 for w in self.membership["workers"] if w[2] >= 0)
+
     def stop(self):
+        if self.faults is not None and (self.faults.counts["dropped"] or self.faults.counts["duplicated"]):
+            log.info("%s: faults injected %s; requests resent %d", self.name, self.faults.counts,
+                     self.requests.resent)
         self._end_waits(KVPSError(f"{self.name} has stopped (it left the job or shut down)"))
         self.van.stop()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def add_failure_listener(self, listener):
         """Call listener(exc) once, when waits on this node must end: with the NodeFailure when the
@@ -157,7 +208,7 @@ class Node:
         handle = Handle(what, self.cfg.timeout if timeout is None else timeout, keep)
         try:
             for peer, header, payloads, on_reply in items:
-                header.id = self.requests.add(handle, peer, on_reply)
+                header.id = self.requests.add(handle, peer, on_reply, (header, payloads), control=peer == SCHEDULER)
                 header.src = self.name
                 self.van.send(peer, header, payloads, priority=priority)
         finally:
@@ -179,8 +230,11 @@ class Node:
         if header.op != Op.MEMBERSHIP:
             raise NodeFailure(f"scheduler answered REGISTER with {header.op.name}")
         self.membership = header.meta
+        self._incarnation = header.meta.get("incarnation")
         self.rank = header.meta["rank"]
         self.name = node_name(self.role, self.rank)
+        if self.telemetry is not None:
+            self.telemetry.named(self.name)
         self.on_membership(header.meta)
 
     def _on_message(self, source, header, payloads):
@@ -190,6 +244,12 @@ class Node:
             return
         if who == SCHEDULER:
             self._last_heard = time.monotonic()
+            incarnation = header.meta.get("incarnation") if header.op == Op.ACK and not header.id else None
+            if incarnation is not None and self._incarnation is not None and incarnation != self._incarnation \
+                    and self.failure is None:
+                self._reregister(incarnation)
+            if self.telemetry is not None and header.op == Op.ACK and not header.id and "sent" in header.meta:
+                self.telemetry.clock_sample(header.meta["sent"], header.meta.get("time", 0.0), time.time())
         if header.op in REPLY_OPS:
             if header.id and not self.requests.answer(header, payloads) and header.op == Op.ERROR:
                 self.van.complaints(log, logging.WARNING, "%s: unsolicited error from %s: %s", self.name, who,
@@ -199,8 +259,13 @@ class Node:
         elif header.op == Op.NODE_LEFT:
             self.left.add(header.meta["node"])
             self.on_worker_left(header.meta["node"])
+        elif header.op == Op.WORKERS:
+            self.membership = dict(self.membership, workers=header.meta["workers"])
+            log.info("%s: %s %s (%s): %d workers", self.name, header.meta["node"], header.meta["change"],
+                     escape(header.meta["reason"]), self.num_workers)
+            self.on_workers(header.meta)
         elif header.op == Op.SHUTDOWN:
-            self.on_shutdown()
+            self.on_shutdown(header.meta.get("failed"))
         else:
             self.van.complaints(log, logging.WARNING, "%s: unexpected %s from %s dropped", self.name,
                                 header.op.name, who)
@@ -229,15 +294,42 @@ class Node:
         self.on_failure(meta.get("node"), failure)
         self._end_waits(self.failure)
 
+    def _reregister(self, incarnation):
+        """A recovered scheduler took over (`kvps scheduler --recover`): register again with our rank
+        and the workers we know have left, then send it our unanswered barriers (I/O thread)."""
+        self._incarnation = incarnation
+        log.warning("%s: a new scheduler answers; registering again as %s", self.name, self.name)
+        meta = dict(self._register_meta, rank=self.rank, recover=True, left=sorted(self.left))
+
+        def back(header, payloads):
+            if header.op != Op.MEMBERSHIP or header.meta["rank"] != self.rank:
+                raise NodeFailure(f"the recovered scheduler answered {self.name}'s REGISTER with {header.op.name}")
+            for peer, request, request_payloads in self.requests.control_pending():
+                self.van.send(peer, request, request_payloads)
+        self.request(SCHEDULER, Header(Op.REGISTER, meta=meta), what=f"{self.name} registering again",
+                     on_reply=back, timeout=self.cfg.connect_timeout)
+
+    def _resend(self):
+        """Send again the data requests still unanswered after the resend timeout (I/O thread)."""
+        for peer, header, payloads in self.requests.overdue():
+            log.debug("%s: resending %r", self.name, header)
+            self.van.send(peer, header, payloads)
+
     def _heartbeat(self):
         silent = time.monotonic() - self._last_heard
-        if silent > self.cfg.heartbeat_timeout and self.failure is None:
+        grace = self.cfg.scheduler_grace if self.membership is not None else 0.0
+        if silent > self.cfg.heartbeat_timeout + grace and self.failure is None:
             host, port = self.cfg.scheduler
             self._node_failed({"node": "H", "reason": f"the scheduler at {host}:{port} has not answered "
                                                       f"for {silent:.1f} s (KVPS_HEARTBEAT_TIMEOUT="
-                                                      f"{self.cfg.heartbeat_timeout:g})"})
+                                                      f"{self.cfg.heartbeat_timeout:g}"
+                                                      + (f", KVPS_SCHEDULER_GRACE={grace:g})" if grace else ")")})
             return
-        self.van.send(SCHEDULER, Header(Op.HEARTBEAT, 0, self.name))
+        meta = None
+        if self.telemetry is not None:       # the reply echoes our clock: a round trip for the offset
+            self.telemetry.heartbeat()
+            meta = {"sent": time.time()}
+        self.van.send(SCHEDULER, Header(Op.HEARTBEAT, 0, self.name, meta=meta))
 
     # ---- hooks for subclasses (I/O thread) ----
     def on_membership(self, meta):
@@ -252,8 +344,11 @@ class Node:
     def on_worker_left(self, node):
         pass
 
-    def on_shutdown(self):
-        pass
+    def on_workers(self, meta):
+        """An elastic job's workers changed (WORKERS meta: workers, node, change, reason)."""
+
+    def on_shutdown(self, failed=None):
+        """The scheduler ends the job; `failed` says why when it failed."""
 
     def on_io_death(self, failure):
         """The I/O thread died (on that thread, as it ends); a daemon exits non-zero here."""
@@ -296,7 +391,9 @@ class Worker(Node):
         workers = meta["workers"]
         if len(workers) > 1:
             right = (meta["rank"] + 1) % len(workers)
-            host, port, _ = workers[right]
+            host, port, pid = workers[right]
+            if pid < 0:         # a vacant rank of an elastic job: nobody to connect to
+                return
             self.van.connect(f"W{right}", host, port)
             self._peers.add(f"W{right}")
 

@@ -61,6 +61,7 @@ class Op(enum.IntEnum):
     ACK = 8
     ERROR = 9
     NODE_LEFT = 10
+    WORKERS = 11
     # data: worker -> server
     INIT = 20
     PUSH = 21
@@ -72,6 +73,9 @@ class Op(enum.IntEnum):
     STATS = 27
     JOIN = 28
     ROW_SPARSE_PUSH = 29
+    SAVE = 30
+    LOAD = 31
+    ATTACH = 35
     # data: worker -> worker
     RING = 40
 
@@ -92,6 +96,8 @@ class Scalar:
 INT = Scalar("int", (int,))
 FLOAT = Scalar("float", (float,))
 STR = Scalar("str", (str,))
+BOOL = Scalar("bool", (bool,))
+BYTES = Scalar("bytes", (bytes,))
 SCALAR = Scalar("scalar", (type(None), bool, int, float, str))     # nil, bool, int, float or str
 
 
@@ -176,10 +182,19 @@ class Message:
 
 # ---- the schema: one per op ----
 _ADDRESSES = ListOf(Tuple((STR, INT, INT)))
-_CODEC = Field(Record({"type": Field(STR, "2bit, 1bit, fp16, bf16 or topk (kvps.ps.compression)"),
-                       "threshold": Field(FLOAT, "2bit and 1bit: the quantisation threshold", required=False),
-                       "ratio": Field(FLOAT, "topk: the share of the elements sent", required=False)}),
-               "the compression every float32 entry's payload is in (absent: none)", required=False)
+_CODEC_RECORD = Record({"type": Field(STR, "2bit, 1bit, fp16, bf16 or topk (kvps.ps.compression)"),
+                         "threshold": Field(FLOAT, "2bit and 1bit: the quantisation threshold", required=False),
+                         "ratio": Field(FLOAT, "topk: the share of the elements sent", required=False)})
+_CODEC = Field(_CODEC_RECORD, "the compression every float32 entry's payload is in (absent: none)", required=False)
+_PULL = Field(_CODEC_RECORD, "compress the reply's float32 values with this codec, with the server's error "
+                             "feedback for this worker (absent: send them as they are)", required=False)
+
+# Shared memory (kvps/wire/shm.py): an entry whose payload (or reply) is in a segment the worker
+# attached travels with nbytes 0 and is named here by its index in the header's entries.
+_SHM_IN = Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: entries whose payloads are in "
+                                                "shared memory, not in a frame", required=False)
+_SHM_INTO = Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: where to write the entries' "
+                                                  "values in shared memory instead of sending them", required=False)
 
 SCHEMA = {
     Op.REGISTER: Message("node -> H", "join the job; answered with MEMBERSHIP once every node has registered", {
@@ -188,27 +203,50 @@ SCHEMA = {
         "port": Field(INT, "the port of this node's ROUTER (0: it binds none)"),
         "pid": Field(INT, "the node's process id (named in messages)"),
         "rank": Field(INT, "the rank it asks for (-1 or absent: any)", required=False),
+        "recover": Field(BOOL, "the node is in a running job and registers again with a recovered scheduler, "
+                               "keeping its rank", required=False),
+        "left": Field(ListOf(STR), "with recover: the workers the node knows have left the job", required=False),
         "mode": Field(STR, "workers: the kvstore's consistency as a wire string (sync, sync:backup=1, async, "
                            "ssp:4, allreduce); the workers of a job must agree", required=False),
+        "metrics_port": Field(INT, "the port of the node's Prometheus /metrics (KVPS_METRICS_PORT; absent: none), "
+                                   "listed in the scheduler's /targets", required=False),
     }),
     Op.MEMBERSHIP: Message("H -> node", "reply to REGISTER: the job's table", {
         "rank": Field(INT, "the rank the receiver got"),
         "servers": Field(_ADDRESSES, "[host, port, pid] of every server, by rank"),
         "workers": Field(_ADDRESSES, "[host, port, pid] of every worker, by rank"),
         "mode": Field(STR, "the workers' mode, as they registered it"),
+        "incarnation": Field(INT, "the scheduler's random id (see ACK)", required=False),
+        "late": Field(BOOL, "the receiver joined a running job (KVPS_ELASTIC): its init sets no value, "
+                            "it reads the current ones", required=False),
     }),
     Op.BARRIER: Message("node -> H", "wait for a group; answered with ACK once every live member has arrived", {
         "group": Field(STR, "workers, servers or all"),
     }),
-    Op.HEARTBEAT: Message("node -> H", "still alive; answered with ACK, which is the scheduler's heartbeat"),
+    Op.HEARTBEAT: Message("node -> H", "still alive; answered with ACK, which is the scheduler's heartbeat", {
+        "sent": Field(FLOAT, "the node's clock as it sent this (Unix seconds; with KVPS_METRICS_PORT or "
+                             "KVPS_TIMELINE), echoed in the ACK for its clock-offset estimate", required=False),
+    }),
     Op.FINALIZE: Message("worker -> H", "this worker is done; answered with ACK, the others get NODE_LEFT"),
-    Op.SHUTDOWN: Message("H -> server", "every worker has finished or died: exit now"),
+    Op.SHUTDOWN: Message("H -> server", "every worker has finished or died: exit now", {
+        "failed": Field(STR, "the job failed, and why: the server exits non-zero", required=False),
+    }),
     Op.NODE_FAILED: Message("H -> all", "a node died: every call that waits on it fails with NodeFailure", {
         "node": Field(STR, "the dead node's name (H, S1, W0, ...)"),
         "reason": Field(STR, "why it is deemed dead"),
     }),
     Op.ACK: Message("reply", "done", {
         "last": Field(STR, "barrier replies: the node that arrived last", required=False),
+        "incarnation": Field(INT, "heartbeat replies: this scheduler's random id; a new one means a scheduler "
+                                  "started with --recover took over, and the node registers again", required=False),
+        "time": Field(FLOAT, "heartbeat replies: the scheduler's clock (Unix seconds), from which nodes "
+                             "estimate their clock offset for the timeline", required=False),
+        "sent": Field(FLOAT, "heartbeat replies: the HEARTBEAT's own sent, echoed (pairs the reply with its "
+                             "heartbeat)", required=False),
+        "file": Field(STR, "SAVE replies: the shard file written (kvps/ps/checkpoint.py)", required=False),
+        "bytes": Field(INT, "SAVE replies: its size", required=False),
+        "checksum": Field(INT, "SAVE replies: the CRC-32 of its header, which holds each tensor's CRC-32",
+                          required=False),
     }),
     Op.ERROR: Message("reply", "the request failed; the receiver raises the kind's exception with the message", {
         "kind": Field(STR, "value, key, protocol, node or error (kvps.errors.REMOTE_KINDS)"),
@@ -218,13 +256,20 @@ SCHEMA = {
         "node": Field(STR, "the name of the worker that left"),
         "reason": Field(STR, "what it did (it closed its kvstore)"),
     }),
+    Op.WORKERS: Message("H -> all", "elastic jobs (KVPS_ELASTIC): a worker was removed or joined", {
+        "workers": Field(_ADDRESSES, "[host, port, pid] of every worker rank; a vacant rank is [\"\", 0, -1]"),
+        "node": Field(STR, "the worker that was removed or joined"),
+        "change": Field(STR, "removed or joined"),
+        "reason": Field(STR, "why"),
+    }),
     Op.INIT: Message("worker -> server", "declare keys: rank 0's entries carry the initial values, the other "
                                          "ranks' the shapes only; answered with ACK"),
     Op.PUSH: Message("worker -> server", "add the entries' payloads into their keys; answered with ACK",
-                     {"codec": _CODEC}),
-    Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE"),
+                     {"codec": _CODEC, "shm": _SHM_IN}),
+    Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE",
+                     {"into": _SHM_INTO, "pull": _PULL}),
     Op.PUSHPULL: Message("worker -> server", "PUSH, then PULL of the same entries; answered with VALUE",
-                         {"codec": _CODEC}),
+                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "pull": _PULL}),
     Op.ROW_SPARSE_PULL: Message("worker -> server", "read some rows: each entry's payload holds int64 row ids "
                                                     "local to its part; answered with VALUE"),
     Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
@@ -233,7 +278,21 @@ SCHEMA = {
                               "params": Field(MapOf(SCALAR), "the rule's parameters")}),
                       "the optimizer (kvps.optimizer; no code travels)"),
     }),
-    Op.VALUE: Message("server -> worker", "reply carrying the values asked for, a payload per non-empty entry"),
+    Op.VALUE: Message("server -> worker", "reply carrying the values asked for, a payload per non-empty entry", {
+        "shm": Field(ListOf(INT), "the entries (by index) whose values were written into the regions the "
+                                  "request named in `into` instead of travelling as payloads", required=False),
+        "codec": Field(_CODEC_RECORD, "compressed pull: the codec of the float32 keys' entries whose dtype is not "
+                                      "float32 (a float32 entry travels as it is)", required=False),
+        "delta": Field(BOOL, "compressed pull: the entries are changes to add to the worker's copy (weights); "
+                             "false: the values themselves (a sync round's merged update)", required=False),
+    }),
+    Op.ATTACH: Message("worker -> server", "map a shared-memory segment of this co-located worker "
+                                           "(kvps/wire/shm.py); answered with ACK, or ERROR: use TCP", {
+        "pid": Field(INT, "the worker's process id, as it registered"),
+        "fd": Field(INT, "the memfd's descriptor in that process (opened through /proc/<pid>/fd/<fd>)"),
+        "segment": Field(INT, "the segment's number, named by later requests"),
+        "nonce": Field(BYTES, "the 16 bytes the worker wrote at the segment's start"),
+    }),
     Op.STATS: Message("worker -> server", "ask for the server's counters; the reply (STATS too) has these fields", {
         "pushes": Field(INT, "entries pushed", required=False),
         "pulls": Field(INT, "entries pulled", required=False),
@@ -253,10 +312,29 @@ SCHEMA = {
         "backend": Field(STR, "the kernel backend (c, numba or numpy)", required=False),
         "keys": Field(INT, "the (key, part) slots the server holds", required=False),
         "mode": Field(STR, "the consistency mode as a wire string", required=False),
+        "duplicates": Field(INT, "requests received again (resent or duplicated) and answered once",
+                            required=False),
+        "shared": Field(INT, "entries whose payload or value went through shared memory (kvps/wire/shm.py)",
+                        required=False),
     }),
     Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
     Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "
                                                     "part, then those rows; answered with ACK"),
+    Op.SAVE: Message("W0 -> server", "checkpoint: copy every key's value, optimizer state and counters now, then "
+                                     "write them as one shard file on a background thread; answered with ACK "
+                                     "(file, bytes, checksum) once the file is durable (docs/checkpoint.md)", {
+        "path": Field(STR, "the checkpoint directory (the same file system for every node)"),
+        "save": Field(STR, "this save's id: the shard is <save>.S<rank>.safetensors"),
+        "hold": Field(BOOL, "every worker waits for this save (kv.save): write the live state, holding back "
+                            "requests that would change it until written, instead of copying it first",
+                      required=False),
+    }),
+    Op.LOAD: Message("W0 -> server", "restore the entries' (key, part)s from checkpoint `path`, whatever server "
+                                     "count saved it (the server reads the rows it now holds); answered with ACK", {
+        "path": Field(STR, "the checkpoint directory"),
+        "rows": Field(ListOf(INT), "per entry: the first row of its part within its key"),
+        "what": Field(STR, "all (values, optimizer state, counters) or optimizer (state and step counts only)"),
+    }),
     Op.RING: Message("worker -> worker", "one chunk of a ring all-reduce step, sent to the right neighbour", {
         "seq": Field(INT, "the collective's number (every worker runs them in the same order)"),
         "n": Field(INT, "the collective's buffer size in elements"),

@@ -4,9 +4,15 @@ A call that sends messages to several peers returns one Handle that completes
 when every reply has arrived. The handle keeps the caller's arrays alive until
 then (zmq may still be reading them), and `wait` raises the first error a peer
 reported, or KVTimeoutError naming what it still waits for.
+
+With resends on (KVPS_RESEND_TIMEOUT, or KVPS_FAULTS), a data request unanswered after the resend
+timeout is sent again with the same id, the timeout doubling each time up to MAX_RESEND_INTERVAL;
+the server answers an id once (kvps/wire/window.py) and a second reply to an id already answered is
+ignored here, so lost and duplicated messages change nothing but the time a call takes.
 """
 import itertools
 import threading
+import time
 
 from kvps.errors import KVTimeoutError, NodeFailure, remote_error
 from kvps.wire.protocol import Op
@@ -95,30 +101,67 @@ def remember(pending, handle):
     pending.append(handle)
 
 
-class Requests:
-    """Requests sent and not yet answered, by request id (ps-lite's Customer)."""
+MAX_RESEND_INTERVAL = 10.0     # seconds: the backoff of a request that waits long (a slow sync round)
 
-    def __init__(self):
+
+class Requests:
+    """Requests sent and not yet answered, by request id (ps-lite's Customer).
+
+    `resend_after` > 0: requests added with a message to resend are offered again by `overdue`
+    once that many seconds pass without a reply (see the module docstring)."""
+
+    def __init__(self, resend_after=0.0, keep_control=False):
         self._ids = itertools.count(1)
         self._pending = {}              # id -> (handle, peer, on_reply)
         self._lock = threading.Lock()
         self.failure = None             # once set, every new request fails at once
+        self.resend_after = resend_after
+        self._resend = {}               # id -> [due, interval, peer, header, payloads]
+        self.resent = 0                 # requests sent again
+        self.keep_control = keep_control    # keep requests to the scheduler, for a recovered one
+        self._control = {}              # id -> (peer, header, payloads)
 
-    def add(self, handle, peer, on_reply=None):
+    def add(self, handle, peer, on_reply=None, message=None, control=False):
         """Register a request to `peer`; returns its id. on_reply(header, payloads) runs on the
-        I/O thread before the handle counts the reply; an exception there fails the handle."""
+        I/O thread before the handle counts the reply; an exception there fails the handle.
+        `message`: (header, payloads) to send again while it is unanswered, when resends are on; with
+        `control` (a request to the scheduler), kept for `control_pending` instead when keep_control."""
         request_id = next(self._ids)
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             self._pending[request_id] = (handle, peer, on_reply)
             handle._expect(request_id, peer)
+            if control:
+                if message is not None and self.keep_control and message[0].op != Op.REGISTER:
+                    self._control[request_id] = (peer, *message)
+            elif message is not None and self.resend_after > 0:
+                self._resend[request_id] = [time.monotonic() + self.resend_after, self.resend_after,
+                                            peer, *message]
         return request_id
+
+    def overdue(self, now=None):
+        """[(peer, header, payloads)] of the requests to send again now (each one's next resend is
+        then due after twice the wait)."""
+        now = time.monotonic() if now is None else now
+        out = []
+        with self._lock:
+            for entry in self._resend.values():
+                if entry[0] <= now:
+                    entry[1] = min(2 * entry[1], MAX_RESEND_INTERVAL)
+                    entry[0] = now + entry[1]
+                    out.append((entry[2], entry[3], entry[4]))
+            self.resent += len(out)
+        return out
 
     def answer(self, header, payloads):
         """Match a reply to its request (I/O thread). Returns False for an unknown id."""
         with self._lock:
             entry = self._pending.pop(header.id, None)
+            if self._resend:
+                self._resend.pop(header.id, None)
+            if self._control:
+                self._control.pop(header.id, None)
         if entry is None:
             return False
         handle, peer, on_reply = entry
@@ -135,11 +178,20 @@ class Requests:
         handle._answered(header.id, error)
         return True
 
+    def control_pending(self):
+        """[(peer, header, payloads)] of the unanswered requests to the scheduler (barriers, a
+        FINALIZE): a recovered scheduler never received them, so they go again."""
+        with self._lock:
+            return list(self._control.values())
+
     def fail(self, exc, peer=None):
         """Fail the requests to `peer` (all requests when None) with `exc`."""
         with self._lock:
             ids = [i for i, (_, p, _) in self._pending.items() if peer is None or p == peer]
             entries = [self._pending.pop(i) for i in ids]
+            for i in ids:
+                self._resend.pop(i, None)
+                self._control.pop(i, None)
         for request_id, (handle, _, _) in zip(ids, entries):
             handle._answered(request_id, exc)
 

@@ -18,6 +18,8 @@ times: after stop(), `send` and `connect` from other threads raise KVPSError
 naming the node, and `reply` is dropped (its client is being abandoned anyway).
 """
 import collections
+import heapq
+import itertools
 import logging
 import os
 import threading
@@ -28,6 +30,7 @@ import msgpack
 import zmq
 
 from kvps.wire import protocol
+from kvps.wire.auth import Curve
 from kvps.wire.schedule import Schedule
 from kvps.wire.throttle import LogThrottle, escape
 from kvps.errors import KVPSError, ProtocolError, describe, error_kind
@@ -82,12 +85,31 @@ class Van:
         self._inflight = 0              # bytes of scheduled payloads zmq still holds (under _lock)
         self.port = None
         self.complaints = LogThrottle()     # bounds the log lines bad input can cause (handlers share it)
+        # kvps.metrics.telemetry.Telemetry when KVPS_METRICS_PORT or KVPS_TIMELINE is set (the node sets
+        # it before start); None otherwise, and then counting costs one attribute test per message.
+        self.telemetry = None
+        self.faults = None                  # test only: a kvps.wire.faults.Faults (see inject)
+        self._late = []                     # heap of (due, n, kind, args): messages the faults delayed
+        self._late_n = itertools.count()
+        self._late_until = {}               # peer or routing id -> due of its last delayed message
+        self._curve = None                  # kvps.wire.auth.Curve once secure() was called
 
     # ---- setup (call before start, or from the I/O thread) ----
+    def secure(self, keys):
+        """Authenticate and encrypt every socket with CURVE under `keys` (kvps.wire.keys.Keys): the
+        ROUTER admits only the job's keys and refuses a message whose src is not its key's name
+        (kvps/wire/auth.py); each DEALER pins its peer's public key. Call before bind and connect."""
+        self._curve = Curve(keys, self._ctx, lambda: self.name, self.complaints)
+        for sock in self._curve.sockets:
+            self._poller.register(sock, zmq.POLLIN)
+
     def bind(self, host, port=0):
         """Bind the ROUTER on host:port (0 picks a free port); returns the port."""
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.serve(sock)
+            self._poller.register(self._curve.monitor, zmq.POLLIN)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -109,6 +131,11 @@ class Van:
         (KVPS_MAX_MESSAGE_BYTES), on every socket opened from now on: call it before bind()."""
         self._ctx.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
 
+    def inject(self, faults):
+        """Test only: lose, repeat and delay the data messages this node sends as `faults`
+        (kvps.wire.faults.Faults) decides; call before start."""
+        self.faults = faults
+
     def when_dead(self, fn):
         """Call fn(exc) on the I/O thread if it ever dies of an exception (a bug: it survives
         anything a peer sends), before it closes the sockets; the owner must then fail loudly,
@@ -126,7 +153,10 @@ class Van:
 
     # ---- thread-safe API ----
     def connect(self, peer, host, port):
-        """Open a DEALER to a peer (done on the I/O thread). Raises KVPSError once stopped."""
+        """Open a DEALER to a peer (done on the I/O thread). Raises KVPSError once stopped, and
+        ConfigError with CURVE on when the job's keys have no public key for `peer`."""
+        if self._curve is not None:
+            self._curve.server_key(peer)        # here, not on the I/O thread, which must not raise
         self._submit(("connect", peer, (host, port)), f"connecting to {peer}")
 
     def disconnect(self, peer):
@@ -143,6 +173,8 @@ class Van:
         With a priority (data messages), the message may overtake waiting ones of lower priority
         (see kvps/wire/schedule.py); without one, it keeps its place after them."""
         frames = [header.encode(), *payloads]
+        if self.telemetry is not None:
+            self.telemetry.sent(peer, header.op, frames)
         if self._schedule is not None and priority is not None:
             sizes = (memoryview(f).nbytes for f in payloads if not isinstance(f, bytes))
             big = sum(n for n in sizes if n >= COPY_BYTES)
@@ -159,13 +191,22 @@ class Van:
                 done()
             raise
 
+    def backlog(self):
+        """(messages waiting for the I/O thread or the send credit, bytes zmq holds of scheduled data
+        messages): queue depths for the metrics, read without the lock (any thread; a snapshot)."""
+        waiting = len(self._queue) + (len(self._schedule) if self._schedule is not None else 0)
+        return waiting, self._inflight
+
     def reply(self, routing_id, header, payloads=(), on_tracker=None):
         """Send a message back to a client of the ROUTER.
 
         on_tracker(tracker) is called (on the I/O thread) when a payload is big
         enough to be sent without copying, with a zmq MessageTracker for it.
         """
-        self._submit(("reply", routing_id, [header.encode(), *payloads], on_tracker), None)
+        frames = [header.encode(), *payloads]
+        if self.telemetry is not None:
+            self.telemetry.replied(routing_id, header.op, frames)
+        self._submit(("reply", routing_id, frames, on_tracker), None)
 
     def stop(self, timeout=5.0):
         """Stop the I/O thread (after it hands zmq what is queued) and close the sockets.
@@ -219,6 +260,10 @@ class Van:
         try:
             while self._running:
                 timeout = self._run_timers()
+                if self._late:
+                    timeout = self._send_late(timeout)
+                if self._queue:     # a timer queued work (a heartbeat, a resend): send it now
+                    timeout = 0
                 for sock, _ in self._poller.poll(timeout):
                     if sock == self._wake_r:
                         # Read before clearing the flag: a byte written in between must not be
@@ -228,6 +273,8 @@ class Van:
                         except BlockingIOError:
                             pass
                         self._woken = False
+                    elif self._curve is not None and sock in self._curve.sockets:
+                        self._curve.handle(sock)    # ZAP requests and handshake failures
                     else:
                         self._drain(sock)
                 self._flush()
@@ -302,6 +349,13 @@ class Van:
         ready = frames = done = None    # as in _flush: our hold on the payloads ends here
 
     def _send_now(self, peer, frames, done):
+        if self.faults is not None and self._faulted("send", peer, (peer, frames, done)):
+            return
+        self._send_sock(peer, frames, done)
+
+    def _send_sock(self, peer, frames, done):
+        if self.telemetry is not None and self.telemetry.timeline is not None:
+            self.telemetry.handed(peer, _request_id(frames[0]))
         sock = self._dealers.get(peer)
         if sock is None:
             log.error("%s: no connection to %s; message dropped", self.name, peer)
@@ -314,6 +368,11 @@ class Van:
             done()      # our hold on the payloads; zmq's ends as it lets go of them (see _watch)
 
     def _reply_now(self, routing_id, frames, on_tracker):
+        if self.faults is not None and self._faulted("reply", routing_id, (routing_id, frames, on_tracker)):
+            return
+        self._reply_sock(routing_id, frames, on_tracker)
+
+    def _reply_sock(self, routing_id, frames, on_tracker):
         if self._router is None:
             return
         big = on_tracker is not None and any(
@@ -326,6 +385,49 @@ class Van:
                 _send(self._router, [routing_id, *frames])
         except zmq.ZMQError as exc:
             log.warning("%s: reply to a client that went away dropped (%s)", self.name, exc)
+
+    # ---- test-only faults (kvps/wire/faults.py), on the I/O thread ----
+    def _faulted(self, kind, to, args):
+        """Apply the faults to one outgoing message; True when it is handled here (dropped, or held
+        back to be sent later by _send_late) rather than to be sent now by the caller."""
+        now = time.monotonic()
+        copies, delay = self.faults.decide(_op(args[1][0]))
+        behind = self._late_until.get(to, 0.0) > now      # later messages to `to` queue behind it
+        if copies == 1 and not delay and not behind:
+            return False
+        if copies == 0:
+            log.debug("%s: fault: dropped a %s", self.name, kind)
+            if kind == "send" and args[2] is not None:
+                args[2]()
+            return True
+        # a repeat goes just before the original and owns its bytes (the original's may change later)
+        copy = (to, [bytes(memoryview(f)) for f in args[1]], None) if copies == 2 else None
+        if not delay and not behind:
+            if copy is not None:
+                (self._send_sock if kind == "send" else self._reply_sock)(*copy)
+            return False
+        due = max(now + delay, self._late_until.get(to, 0.0))
+        self._late_until[to] = due
+        if copy is not None:
+            heapq.heappush(self._late, (due, next(self._late_n), kind, copy))
+        if kind == "reply":
+            # A reply's payloads are views of values the store may change once no tracker holds them
+            # (kvps/ps/store.py: `sent`); a late reply has no tracker yet, so it carries a copy.
+            args = (to, [bytes(memoryview(f)) for f in args[1]], None)
+        heapq.heappush(self._late, (due, next(self._late_n), kind, args))
+        return True
+
+    def _send_late(self, timeout):
+        """Send the delayed messages that are due; returns the poll timeout (ms) until the next."""
+        now = time.monotonic()
+        while self._late and self._late[0][0] <= now:
+            _, _, kind, args = heapq.heappop(self._late)
+            (self._send_sock if kind == "send" else self._reply_sock)(*args)
+        args = None
+        if not self._late:
+            self._late_until.clear()
+            return timeout
+        return max(0, min(timeout, int(1000 * (self._late[0][0] - now)) + 1))
 
     def _disconnect_now(self, peer):
         old = self._dealers.pop(peer, None)
@@ -340,6 +442,8 @@ class Van:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            self._curve.dial(sock, peer)
         sock.connect(f"tcp://{host}:{port}")
         self._dealers[peer] = sock
         self._peer_of[sock] = peer
@@ -366,6 +470,15 @@ class Van:
                 else:
                     source = ("peer", self._peer_of[sock])
                 header, payloads = protocol.unpack(frames)
+                if from_router and self._curve is not None:
+                    why = self._curve.impostor(frames[0], header)   # (logged there, once per key and name)
+                    if why:         # a job member speaking as another: answered, never handled
+                        err = protocol.error_header(header.id, self.name, "protocol", f"{self.name} refused it: {why}")
+                        self._reply_now(source[1], [err.encode()], None)
+                        header = payloads = frames = None
+                        continue
+                if self.telemetry is not None:
+                    self.telemetry.received(source, header, frames)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s <- %r", self.name, header)
                 self._handler(source, header, payloads)
@@ -408,6 +521,8 @@ class Van:
             os.close(self._wake_w)
         if self._schedule is not None:
             dropped += [("send", *item) for item, _ in self._schedule.drain()]
+        dropped += [(kind, *args) for _, _, kind, args in self._late if kind == "send"]
+        self._late.clear()
         for item in dropped:
             if item[0] in ("send", "data") and item[3] is not None:
                 item[3]()
@@ -416,6 +531,8 @@ class Van:
         dropped = item = None       # dropped payloads die here: their on_sent runs
         for sock in list(self._dealers.values()) + ([self._router] if self._router is not None else []):
             sock.close(0)
+        if self._curve is not None:
+            self._curve.close()
         self._dealers.clear()
         self._peer_of.clear()
         self._ctx.term()
@@ -460,6 +577,21 @@ def _show(source):
         return "an unknown sender"
     kind, who = source
     return escape(who) if kind == "peer" else f"client {who.hex()}"
+
+
+def _op(frame):
+    """The op code of an encoded header (kvps writes v, op and id first), for the fault injector;
+    -1 when it cannot be read."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 16)
+        unpacker.feed(memoryview(frame)[:256])
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "op":
+                return unpacker.unpack()
+            unpacker.skip()
+    except Exception:
+        pass
+    return -1
 
 
 def _request_id(frame):

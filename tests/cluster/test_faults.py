@@ -225,3 +225,40 @@ def test_workers_disagreeing_on_type_fail_fast(cluster):
     results = c.run_workers(script, timeout=30)
     for lines in results:
         assert "different kvstore types" in lines[0]["message"], lines
+
+
+RECOVER = r'''
+import json, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.set_optimizer(kvps.optimizer.SGD(learning_rate=1.0))
+w = np.zeros(6, np.float32)
+kv.init("w", w)
+for step in range(40):
+    kv.pushpull("w", np.full(6, kv.rank + 1, np.float32), out=w)    # w -= 1 + 2 each round
+    print(json.dumps({"step": step, "w": float(w[0])}), flush=True)
+    if step % 10 == 9:
+        kv.barrier()
+    time.sleep(0.03)
+print(json.dumps({"final": w.tolist()}), flush=True)
+'''
+
+
+def test_a_recovered_scheduler_takes_over_a_running_job(cluster):
+    """kill -9 the scheduler mid-job and start `kvps scheduler --recover` on its address: the servers
+    and workers register again with their ranks, barriers go on, and no parameter is lost."""
+    from harness import PY
+    c = cluster(2, 1, env={"KVPS_SCHEDULER_GRACE": "20"})
+    procs = c.spawn_workers(RECOVER)
+    wait_for(lambda: any(line.get("step", 0) >= 5 for line in c.output("W0")), 30, "W0 to reach step 5")
+    c.proc("H").kill()
+    c.proc("H").wait()
+    port = c.address.rsplit(":", 1)[1]
+    c._spawn("H2", [PY, "-m", "kvps.cli", "scheduler", "--recover", "--port", port], ready=True)
+    assert c._ready("H2").endswith(f":{port}")
+    c.wait(procs, 60)
+    assert [p.returncode for p in procs] == [0, 0], c.logs()
+    for name in ("W0", "W1"):
+        assert c.output(name)[-1] == {"final": [-3.0 * 40] * 6}, (name, c.logs())
+    c.wait([c.proc("S0"), c.proc("H2")], 20)
+    codes = {name: c.proc(name).returncode for name in ("S0", "H2")}
+    assert codes == {"S0": 0, "H2": 0}, (codes, c.logs())

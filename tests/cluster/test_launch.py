@@ -1,6 +1,7 @@
 """`kvps launch`, MXNet-style DMLC_* start-up, and server plugins, on real processes."""
 import json
 import os
+import shlex
 import subprocess
 import time
 
@@ -44,18 +45,44 @@ def test_launch_returns_first_failing_worker_code(tmp_path):
 
 
 def test_ssh_dry_run_prints_commands(tmp_path):
+    """The scheduler binds --host and is told the job's size; each remote node's command and
+    variables go on its tether's stdin, never on its command line."""
+    from kvps.launch import tether
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA\n# comment\nnodeB\n")
     proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", "3", "-s", "2", "--launcher", "ssh", "-H",
-                           str(hostfile), "--dry-run", "--env", "FOO=bar", "--", "python", "train.py", "--lr", "0.1"],
-                          capture_output=True, text=True, timeout=30)
+                           str(hostfile), "--dry-run", "--host", "10.0.0.5", "--python", "/opt/py/bin/python3",
+                           "--env", "FOO=bar", "--", "python", "train.py", "--lr", "0.1"],
+                          capture_output=True, text=True, timeout=30, env=dict(os.environ, KVPS_LOG_LEVEL="INFO"))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("[H] ") and "scheduler" in lines[0] and "--port 9091" in lines[0]
     assert [line.split()[0] for line in lines] == ["[H]", "[S0]", "[S1]", "[W0]", "[W1]", "[W2]"]
-    assert "nodeA" in lines[1] and "nodeB" in lines[2] and "nodeA" in lines[5]
-    assert "KVPS_ROLE=worker" in lines[3] and "KVPS_RANK=2" in lines[5] and "FOO=bar" in lines[4]
-    assert "train.py --lr 0.1" in lines[3]
+    assert lines[0].endswith("scheduler --port 9091 -n 3 -s 2 --host 10.0.0.5")
+    hosts = [shlex.split(line.split(" <<< ")[0])[-2] for line in lines[1:]]
+    assert hosts == ["nodeA", "nodeB", "nodeA", "nodeB", "nodeA"]     # servers in turn, workers carry on
+    specs = [tether.decode(shlex.split(line.split(" <<< ")[1])[0].encode()) for line in lines[1:]]
+    assert specs[0][0] == ["/opt/py/bin/python3", "-m", "kvps.cli", "server"]
+    assert specs[2][0] == ["python", "train.py", "--lr", "0.1"]
+    for (argv, env), name in zip(specs, ["S0", "S1", "W0", "W1", "W2"]):
+        assert env["KVPS_ROLE"] == {"S": "server", "W": "worker"}[name[0]] and env["KVPS_RANK"] == name[1]
+        assert env["KVPS_SCHEDULER"] == "10.0.0.5:9091" and env["FOO"] == "bar"
+        assert (env["KVPS_NUM_WORKERS"], env["KVPS_NUM_SERVERS"], env["KVPS_LOG_LEVEL"]) == ("3", "2", "INFO")
+    assert all("KVPS_" not in line.split(" <<< ")[0] for line in lines[1:])
+
+
+def test_ssh_scheduler_address_from_the_interface_or_a_clear_error():
+    import pytest
+    from kvps.config import Config
+    from kvps.errors import ConfigError
+    from kvps.launch.ssh import scheduler_host
+    hosts = ["unresolvable.invalid"]
+    assert scheduler_host(hosts, interface=Config.from_env({"DMLC_INTERFACE": "lo"}).interface) == "127.0.0.1"
+    assert scheduler_host(hosts, host="10.1.2.3", interface="lo") == "10.1.2.3"            # --host wins
+    assert scheduler_host(["localhost"]) == "127.0.0.1"
+    with pytest.raises(ConfigError, match="KVPS_INTERFACE='nope9': that interface does not exist here"):
+        scheduler_host(hosts, interface="nope9")
+    with pytest.raises(ConfigError, match="pass --host ADDR or set KVPS_INTERFACE"):
+        scheduler_host(hosts)
 
 
 def test_mxnet_style_dmlc_environment(tmp_path):
@@ -115,3 +142,144 @@ def test_server_plugin_adds_an_update_rule(cluster, tmp_path):
               'print(json.dumps(out.tolist()), flush=True)\n')
     results = c.run_workers(script)
     assert results == [[[31.0] * 4], [[31.0] * 4]]     # 1 + 10 * (1 + 2)
+
+
+LOOP = r'''
+import sys, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("x", np.zeros(3, np.float32))
+print("training", flush=True)
+out = np.zeros(3, np.float32)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    kv.pushpull("x", np.ones(3, np.float32), out=out)
+    time.sleep(0.05)
+'''
+
+
+def _node_pid(parent, role, rank):
+    """The pid of the child of `parent` that runs as node role/rank (read from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.partition(b"=")[::2] for item in f.read().split(b"\0") if item)
+        except (OSError, ValueError):
+            continue
+        if env.get(b"KVPS_ROLE") == role.encode() and env.get(b"KVPS_RANK") == str(rank).encode():
+            return int(entry)
+    return None
+
+
+def test_launch_reports_a_daemon_killed_by_a_signal_at_once(tmp_path):
+    """kill -9 of a server: `kvps launch` names it and exits 137 well before the heartbeat timeout."""
+    import signal as sig
+    from harness import wait_for
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    env = dict(os.environ, **dict(FAST_ENV, KVPS_HEARTBEAT_TIMEOUT="60"))   # only the launcher can notice
+    proc = subprocess.Popen([PY, "-m", "kvps.cli", "launch", "-n", "2", "-s", "2", "--", PY, str(script)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines = []
+    try:
+        for line in proc.stdout:                     # bounded: the workers stop by themselves after 60 s
+            lines.append(line)
+            if line.startswith("[W1] training"):
+                break
+        wait_for(lambda: _node_pid(proc.pid, "server", 1), 10, "S1's pid")
+        os.kill(_node_pid(proc.pid, "server", 1), sig.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = "".join(lines) + out
+    assert proc.returncode == 137, text
+    assert "[launch] S1 was killed by SIGKILL while workers were running; stopping the job" in text
+    assert elapsed < 15, f"{elapsed:.1f} s from the kill to the launcher's exit\n{text}"
+
+
+def test_a_job_runs_from_the_rendered_kubernetes_specs(tmp_path):
+    """The rendered containers' commands and env (downward API and $(VAR) filled in as a kubelet
+    would, the Secret's files where it mounts them, the scheduler Service's name pointed at
+    127.0.0.1) are enough to run a real job, with CurveZMQ on since the nodes are given keys."""
+    import base64
+    from kvps.launch import k8s
+    from kvps.supervisor import Supervisor
+    script = tmp_path / "train.py"
+    script.write_text(WORKER)
+    docs = k8s.render(2, 2, "img:1", ["python", str(script)], name="t", keys=k8s.secret_data(2, 2))
+    pods = {d["kind"]: d for d in docs}
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    for file, data in pods["Secret"]["data"].items():
+        (keys / file).write_bytes(base64.b64decode(data))
+        (keys / file).chmod(pods["Pod"]["spec"]["volumes"][0]["secret"]["defaultMode"])
+    specs = [("H", 0, pods["Pod"]["spec"])] + \
+        [(f"S{i}", i, pods["StatefulSet"]["spec"]["template"]["spec"]) for i in range(2)] + \
+        [(f"W{i}", i, pods["Job"]["spec"]["template"]["spec"]) for i in range(2)]
+    sup = Supervisor(new_session=False)
+    address = None
+    try:
+        for name, index, spec in specs:
+            c = spec["containers"][0]
+            argv = [PY if a == "python" else a for a in c["command"]]
+            if name == "H":       # one machine: any free port instead of the Service's fixed one
+                argv[argv.index("--port") + 1] = "0"
+                argv[argv.index("--host") + 1] = "127.0.0.1"
+            env = dict(os.environ, **FAST_ENV)
+            for e in c["env"]:
+                if "value" in e:
+                    value = e["value"].replace("$(KVPS_RANK)", env.get("KVPS_RANK", "$(KVPS_RANK)"))
+                    env[e["name"]] = value.replace(k8s.KEYS_DIR, str(keys))
+                else:
+                    path = e["valueFrom"]["fieldRef"]["fieldPath"]
+                    env[e["name"]] = "127.0.0.1" if path == "status.podIP" else str(index)
+            if address:
+                env.update(KVPS_SCHEDULER=address, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=address.split(":")[1])
+            if name.startswith("S"):
+                env["KVPS_PORT"] = "0"                 # two "pods" share this machine's ports
+            sup.spawn(name, argv, env=env, ready=name == "H")
+            if name == "H":
+                address = sup.ready("H", 30)
+        codes = sup.wait(60)
+        assert codes == {"H": 0, "S0": 0, "S1": 0, "W0": 0, "W1": 0}, {n: sup.tail(n) for n in codes}
+        results = [json.loads(sup.tail(f"W{i}")[-1]) for i in range(2)]
+        assert [r["rank"] for r in results] == [0, 1] and all(r["x"] == [3.0] * 3 for r in results)
+    finally:
+        sup.stop()
+
+
+def test_tether_stops_its_command_when_stdin_closes_and_names_a_signal(tmp_path):
+    """The far end of an ssh or Ray launch: end of file on stdin stops the command's process group;
+    a command killed by a signal gives 128+N and a line naming it."""
+    from kvps.launch import tether
+    pidfile = tmp_path / "pid"
+    sleeper = [PY, "-c", f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+    proc = subprocess.Popen([PY, "-m", "kvps.launch.tether"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        proc.stdin.write(tether.encode(sleeper, {"X": "1"}))
+        proc.stdin.flush()
+        from harness import wait_for
+        wait_for(lambda: pidfile.exists() and pidfile.read_text(), 20, "the command to start")
+        child = int(pidfile.read_text())
+        proc.stdin.close()                               # the launcher is gone
+        proc.wait(20)
+        out = proc.stdout.read()
+        assert proc.returncode == 128 + 15 and b"was killed by SIGTERM" in out, out
+        assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    bad = subprocess.run([PY, "-m", "kvps.launch.tether"], input=b'{"argv": "python"}\n', capture_output=True,
+                         timeout=30)
+    assert bad.returncode == 2 and b"'argv' must be a non-empty list of strings" in bad.stderr

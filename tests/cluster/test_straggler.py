@@ -8,7 +8,7 @@ import pytest
 
 from harness import FAST_ENV, PY
 from kvps.errors import ConfigError
-from kvps.launcher import straggler_env
+from kvps.launch import straggler_env
 from kvps.straggler import parse, parse_assignments
 
 

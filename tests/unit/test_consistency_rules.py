@@ -52,6 +52,8 @@ def _store(mode, workers, value, optimizer=None):
     ("sync", "", {"backup_workers": 2}, "sync:backup=2"),
     ("sync", "", {"backup_workers": 0}, "sync"),
     ("async", "", {}, "async"),
+    ("geo", "4", {}, "geo:4"),
+    ("geo", "", {"k_steps": 1}, "geo:1"),
 ])
 def test_parse_and_wire_round_trip(mode, suffix, options, wire):
     c = Consistency.parse(mode, suffix, **options)
@@ -73,8 +75,13 @@ def test_parse_and_wire_round_trip(mode, suffix, options, wire):
     ("dist_sync", {"staleness": 2}, r"staleness=2 applies to dist_ssp, not 'dist_sync'"),
     ("dist_async", {"backup_workers": 1}, r"backup_workers=1 applies to dist_sync, not 'dist_async'"),
     ("dist_async:3", {}, r"async takes no ':' options"),
-    ("local", {"staleness": 1}, r"staleness=1 applies to dist_ssp and dist_sync kvstores, not 'local'"),
+    ("local", {"staleness": 1}, r"staleness=1 applies to dist_ssp, dist_sync and dist_geo kvstores, not 'local'"),
     ("local:3", {}, r"unknown kvstore type 'local:3'"),
+    ("dist_geo", {}, r"'dist_geo' needs the steps between syncs: kvps.create\('dist_geo:4'\)"),
+    ("dist_geo:0", {}, r"k_steps=0 must be an int >= 1"),
+    ("dist_geo:x", {}, r"k_steps 'x' in kvstore type 'dist_geo:x' must be an int >= 1"),
+    ("dist_geo:4", {"k_steps": 2}, r"says k_steps 4, but k_steps=2"),
+    ("dist_sync", {"k_steps": 2}, r"k_steps=2 applies to dist_geo, not 'dist_sync'"),
     ("dist_magic", {}, r"unknown kvstore type 'dist_magic'; valid types: local, .*dist_ssp:S"),
 ])
 def test_create_refuses_bad_consistency(name, options, message):

@@ -2,7 +2,8 @@
 
 import pytest
 from kvps.errors import ConfigError
-from kvps.launcher import ssh_commands
+from kvps.launch import tether
+from kvps.launch.ssh import launch_ssh
 from kvps.straggler import Straggler, parse
 
 
@@ -38,7 +39,14 @@ def test_random_delays_repeat_with_the_seed_and_differ_by_rank():
     assert all(0.1 <= u.delay() <= 0.2 for _ in range(50))
 
 
-def test_ssh_commands_carry_the_straggler_to_its_worker_only():
-    cmds = dict(ssh_commands(2, 1, ["python", "t.py"], ["h1"], "h0", 9000, worker_env={1: {"KVPS_STRAGGLER": "fixed:1"}}))
-    assert "KVPS_STRAGGLER=fixed:1" in cmds["W1"][-1]
-    assert "KVPS_STRAGGLER" not in cmds["W0"][-1] and "KVPS_STRAGGLER" not in cmds["S0"][-1]
+def test_ssh_commands_carry_the_straggler_to_its_worker_only(tmp_path):
+    import io
+    import shlex
+    (tmp_path / "hosts").write_text("h1\n")
+    out = io.StringIO()
+    launch_ssh(2, 1, ["python", "t.py"], str(tmp_path / "hosts"), 9000, dry_run=True, out=out, host="10.0.0.1",
+               worker_env={1: {"KVPS_STRAGGLER": "fixed:1"}})
+    env = {line.split()[0][1:-1]: tether.decode(shlex.split(line.split(" <<< ")[1])[0].encode())[1]
+           for line in out.getvalue().splitlines()[1:]}
+    assert env["W1"]["KVPS_STRAGGLER"] == "fixed:1"
+    assert "KVPS_STRAGGLER" not in env["W0"] and "KVPS_STRAGGLER" not in env["S0"]

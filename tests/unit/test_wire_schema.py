@@ -77,8 +77,10 @@ def test_the_servers_stats_fit_the_schema():
 
 
 @pytest.mark.parametrize("op,meta,message", [
-    (Op.PUSH, {"x": 1}, "PUSH meta has an unknown field 'x' (PUSH takes codec)"),
-    (Op.PULL, {"codec": None}, "PULL meta has an unknown field 'codec' (PULL takes no meta)"),
+    (Op.PUSH, {"x": 1}, "PUSH meta has an unknown field 'x' (PUSH takes codec, shm)"),
+    (Op.PULL, {"codec": None}, "PULL meta has an unknown field 'codec' (PULL takes into, pull)"),
+    (Op.VALUE, {"shm": [0, "1"]}, "VALUE meta field 'shm' is [0, '1'], expected list of int"),
+    (Op.PUSH, {"shm": [[0, 1]]}, "PUSH meta field 'shm' is [[0, 1]], expected list of [int, int, int]"),
     (Op.PUSH, {7: 1}, "PUSH meta has an unknown field 7"),
     (Op.NODE_FAILED, {"node": "W1", "reason": "x", "left": True}, "NODE_FAILED meta has an unknown field 'left'"),
     (Op.REGISTER, {"role": "worker", "host": "h", "pid": 1}, "REGISTER meta lacks the required field 'port' (int)"),

@@ -69,6 +69,8 @@ def main(argv):
         return 2
     plan = workloads.load_plan(argv[1])
     peer = KVPSPeer(plan["kvtype"], plan.get("modes"))
+    if plan.get("compression"):         # kvps emulate sync --compression
+        peer.kv.set_gradient_compression(plan["compression"])
     workloads.run(plan, peer)
     peer.close()        # after a failure, kvps's exit handler closes it (and only logs what goes wrong)
     return 0

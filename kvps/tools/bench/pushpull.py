@@ -3,7 +3,7 @@
     kvps bench pushpull -n 2 -s 1 --mxnet ~/mxvenv/bin/python      # the full run (half a minute)
     kvps bench pushpull --quick --sizes 1KB,64KB                   # kvps alone, seconds
 
-Starts a kvps job (kvps.launcher.Job) whose W workers run kvps_worker.py, then,
+Starts a kvps job (kvps.launch.Job) whose W workers run kvps_worker.py, then,
 with --mxnet, an MXNet 1.9.1 job of the same shape (mxnet_job.py) whose workers
 run mxnet_worker.py; both time the same plan (workloads.py): one push+pull
 round per size, and one step of syncing ResNet-50's 161 gradients. Rank 0 of
@@ -27,6 +27,7 @@ import time
 from kvps.errors import KVPSError, KVTimeoutError
 
 from kvps.tools.bench import workloads
+from kvps.tools.progress import Progress
 from kvps.tools.bench.workloads import KB, show_size
 
 TARGET_SETUP = (2, 1, "dist_sync")      # workers, servers, kvtype the targets are set for
@@ -67,6 +68,12 @@ def parser():
                         "blocking, priority=-i, as MXNet scripts and Gluon's Trainer call it; the mode "
                         "'push+pull'), list (push(all keys) then pull(all keys)), pushpull (pushpull(all keys)); "
                         "default: all. MXNet always runs the mxnet pattern")
+    p.add_argument("--tcp", action="store_true",
+                   help="also run kvps with KVPS_SHM=0 (everything over TCP) in the same run, and report "
+                        "shared memory against TCP")
+    p.add_argument("--curve", action="store_true",
+                   help="also run kvps with KVPS_CURVE=1 (CurveZMQ on every link; with --tcp, over TCP too) in "
+                        "the same run, and report its cost (docs/security.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's output to stderr")
     return p
 
@@ -106,7 +113,7 @@ class JobFailed(Exception):
 
 
 class _Lines:
-    """The output stream handed to kvps.launcher.Job: keeps every line, echoes with -v."""
+    """The output stream handed to kvps.launch.Job: keeps every line, echoes with -v."""
 
     def __init__(self, echo=None):
         self._parts = []
@@ -141,10 +148,10 @@ def results(text, tag=workloads.TAG):
 
 
 def kvps_job(workers, servers, command, env, timeout, verbose, label):
-    """Run a kvps job (kvps.launcher.Job) under a deadline; returns its prefixed output.
+    """Run a kvps job (kvps.launch.Job) under a deadline; returns its prefixed output.
     Raises JobFailed with the output when it fails or passes the deadline."""
     from kvps.config import Config
-    from kvps.launcher import Job
+    from kvps.launch import Job
 
     # A call that hangs inside a worker raises there (naming what it waits for), before the job's deadline.
     env = dict(env, KVPS_TIMEOUT=f"{min(Config.from_env().timeout, max(10.0, timeout / 2)):g}")
@@ -168,9 +175,9 @@ def kvps_job(workers, servers, command, env, timeout, verbose, label):
     return lines.text()
 
 
-def run_kvps(args, plan_path):
-    text = kvps_job(args.workers, args.servers, [sys.executable, "-m", "kvps.tools.bench.kvps_worker", plan_path], {},
-                    args.timeout, args.verbose, "kvps")
+def run_kvps(args, plan_path, env=None):
+    text = kvps_job(args.workers, args.servers, [sys.executable, "-m", "kvps.tools.bench.kvps_worker", plan_path],
+                    env or {}, args.timeout, args.verbose, "kvps")
     return results(text)
 
 
@@ -305,6 +312,32 @@ def report(rows, targets, args, mxnet_ran):
     return "\n".join(lines)
 
 
+def transport_report(shm_rows, tcp_rows):
+    """kvps over shared memory (KVPS_SHM=1, the default) against kvps over TCP, row by row."""
+    tcp = {(r["workload"], r["bytes"], r["mode"]): r for r in tcp_rows}
+    lines = ["Shared memory (the default on one host) against TCP (KVPS_SHM=0), in the same run; "
+             "ratio = shared memory / TCP.", "",
+             "| workload | kvps call | shared memory ms | TCP ms | ratio |", "|---|---|--:|--:|--:|"]
+    for r in shm_rows:
+        t = tcp.get((r["workload"], r["bytes"], r["mode"]))
+        if t is not None:
+            lines.append(f"| {_label(r)} | {r['mode']} | {_ms(r['ms'])} | {_ms(t['ms'])} | {r['ms'] / t['ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def curve_report(label, plain_rows, curve_rows):
+    """kvps with CurveZMQ (KVPS_CURVE=1) against the same kvps without, row by row."""
+    curve = {(r["workload"], r["bytes"], r["mode"]): r for r in curve_rows}
+    lines = [f"CurveZMQ cost ({label}): the same job with KVPS_CURVE=1, in the same run; ratio = CURVE / "
+             f"plain (the target for a ResNet-50 step: at most 1.15).", "",
+             "| workload | kvps call | plain ms | CURVE ms | ratio |", "|---|---|--:|--:|--:|"]
+    for r in plain_rows:
+        c = curve.get((r["workload"], r["bytes"], r["mode"]))
+        if c is not None:
+            lines.append(f"| {_label(r)} | {r['mode']} | {_ms(r['ms'])} | {_ms(c['ms'])} | {c['ms'] / r['ms']:.2f} |")
+    return "\n".join(lines)
+
+
 def _kernels():
     try:
         from kvps import kernels
@@ -318,19 +351,27 @@ def measure(args, plan, tmp):
     plan_path = os.path.join(tmp, "plan.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)
-    runs = {"kvps": [], "MXNet": []}
+    runs = {"kvps": [], "MXNet": [], "kvps TCP": [], "kvps CURVE": [], "kvps TCP CURVE": []}
+    kvps = ("kvps",) + (("kvps TCP",) if args.tcp else ())
+    systems = kvps + (tuple(f"{k} CURVE" for k in kvps) if args.curve else ()) + (("MXNet",) if args.mxnet else ())
+    progress = Progress(args.repeat * len(systems), "benchmark jobs")     # a bar with an ETA on a terminal
     for i in range(args.repeat):
         # Alternating the systems spreads a shared machine's slow spells over both.
         run = f" (run {i + 1} of {args.repeat})" if args.repeat > 1 else ""
-        for system in ("kvps", "MXNet") if args.mxnet else ("kvps",):
+        for system in systems:
             t = time.monotonic()
             _say(f"{system} job{run}: -n {args.workers} -s {args.servers} {args.kvtype} ...")
-            rows = run_kvps(args, plan_path) if system == "kvps" else run_mxnet(args, plan_path, tmp)
+            if system == "MXNet":
+                rows = run_mxnet(args, plan_path, tmp)
+            else:
+                rows = run_kvps(args, plan_path, dict({"KVPS_SHM": "0"} if "TCP" in system else {},
+                                                      **({"KVPS_CURVE": "1"} if "CURVE" in system else {})))
             _say(f"{system} job done in {time.monotonic() - t:.1f} s")
             lost = missing(plan, rows)
             if lost:
                 raise JobFailed(f"the {system} job exited cleanly but reported no result for {', '.join(lost)}")
             runs[system].append(rows)
+            progress.advance(f"{system} job{run}")
     return runs
 
 
@@ -360,6 +401,11 @@ def main(argv=None):
     rows = compare(kvps_rows, mxnet_rows)
     targets = judge(rows, args)
     print(report(rows, targets, args, bool(args.mxnet)), flush=True)
+    if args.tcp:
+        print("\n" + transport_report(kvps_rows, median_run(runs["kvps TCP"])), flush=True)
+    for plain in ("kvps", "kvps TCP") if args.curve else ():
+        if runs[plain]:
+            print("\n" + curve_report(plain, median_run(runs[plain]), median_run(runs[f"{plain} CURVE"])), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "kvps bench pushpull " + shlex.join(argv), "workers": args.workers,

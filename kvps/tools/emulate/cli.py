@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from kvps.errors import ConfigError, KVPSError, KVTimeoutError
-from kvps.launcher import parse_env
+from kvps.launch import parse_env
 
 from kvps.tools.emulate import sync
 from kvps.tools.emulate.job import JOB_TIMEOUT, run_job
@@ -89,6 +89,21 @@ def check_parser():
     return p
 
 
+def _compression(text):
+    """A checked compression spec from JSON text; argparse reports the ValueError's text."""
+    import json
+
+    from kvps.ps import compression
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON (e.g. '{{\"type\": \"fp16\"}}')") from None
+    try:
+        return compression.check(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def sync_parser(prog="kvps emulate sync"):
     p = argparse.ArgumentParser(prog=prog, description="Time a synchronous gradient step of kvps's parameter server "
                                 "(dist_sync push+pull and pushpull) and ring beside torch.distributed gloo all-reduce "
@@ -106,6 +121,9 @@ def sync_parser(prog="kvps emulate sync"):
     p.add_argument("--workload", default="resnet50",
                    help="resnet50 (161 tensors, 102 MB) or one float32 array of a size like 64MB")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode, after warm-up (default 3)")
+    p.add_argument("--compression", type=_compression, default=None,
+                   help='kvps PS rows: gradient compression as kv.set_gradient_compression takes it, in JSON, '
+                        'e.g. \'{"type": "fp16", "pull": true}\' (pull: compress what comes back too)')
     p.add_argument("--systems", type=_systems, default=None,
                    help="comma-separated, from ps (kvps dist_sync), ring (kvps all-reduce), gloo (torch.distributed "
                         "all-reduce), mxnet (MXNet dist_sync; needs --mxnet) (default ps,ring,gloo and mxnet "

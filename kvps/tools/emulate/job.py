@@ -162,6 +162,10 @@ class EmulatedJob(HostJob):
         self.command = list(command)
         self.python = python or sys.executable
         self.scheduler_address = None
+        self.secrets = None                 # node name -> its secret file, made as the job starts
+        # Emulated jobs are benchmarks beside MXNet and gloo, which encrypt nothing: plain links
+        # unless the caller sets KVPS_CURVE (KVPS_CURVE=1 measures the cost of CurveZMQ on a link).
+        self.env.setdefault("KVPS_CURVE", "0")
 
     def start(self):
         """Start the scheduler, wait for its READY line, then the servers and workers. Returns self.
@@ -180,7 +184,13 @@ class EmulatedJob(HostJob):
         return self
 
     def _node_env(self, name, base, **extra):
-        return dict(base, **extra, KVPS_HOST=self.address(name))
+        env = dict(base, **extra, KVPS_HOST=self.address(name))
+        if self.secrets is None:    # its nodes talk across hosts: CURVE unless KVPS_CURVE=0 (docs/security.md)
+            from kvps.launch.job import make_keys
+            self.secrets = make_keys(self.env, self.workers, self.servers, remote=True)
+        if self.secrets:
+            env["KVPS_SECRET_FILE"] = self.secrets[name]
+        return env
 
 
 def run_job(workers, servers, command, colocated=False, rate="1gbit", delay_ms=0.0, mtu=1500,

@@ -261,6 +261,9 @@ class Benchmark:
         MXNet Python that cannot import mxnet, before anything runs."""
         self.args = args
         self.plan, self.what, self.M = make_plan(args.workload, args.steps)
+        self.compression = getattr(args, "compression", None)       # the kvps PS jobs' (kvps_worker)
+        if self.compression:
+            self.what += f", kvps PS compression {json.dumps(self.compression)}"
         gloo_why = _gloo_why() if args.systems is None or "gloo" in args.systems else None
         self.systems, self.notes = choose_systems(args.systems, args.mxnet, gloo_why)
         if "mxnet" in self.systems:
@@ -287,7 +290,8 @@ class Benchmark:
             for kvtype in sorted({KVTYPE[s.system] for s in self.todo}):
                 plans[kvtype] = os.path.join(tmp, f"plan-{kvtype}.json")
                 with open(plans[kvtype], "w") as f:
-                    json.dump(dict(self.plan, kvtype=kvtype), f)
+                    extra = {"compression": self.compression} if self.compression and kvtype == "dist_sync" else {}
+                    json.dump(dict(self.plan, kvtype=kvtype, **extra), f)
             for setup in self.todo:
                 start = time.monotonic()
                 try:

@@ -1,10 +1,11 @@
 """`kvps experiment`: train real models under every consistency mode, with and without a straggler,
 and write a report of what happened.
 
-    kvps experiment --quick                     # digits and sparse LR at W=3, 20 runs: about 3 min on 2 cores
-    kvps experiment                             # the full preset: W in 2,4, more SSP bounds (tens of minutes)
+    kvps experiment --quick                     # digits at W=3, 7 cells x 3 repeats: 3.5 to 5 min on 2 cores
+    kvps experiment                             # the full preset: W in 2,4, both workloads, 5 repeats (hours)
     kvps experiment --tiny                      # seconds per run: the test suite's end-to-end check
-    kvps experiment --quick --modes sync,ssp:4 --workers 4 --straggler on --target digits=0.97
+    kvps experiment --quick --modes sync,ssp:4 --workers 4 --straggler on --target digits=0.97 --repeats 5
+    kvps experiment --quick --emulate 100mbit   # the `wide` workload on loopback and on emulated hosts
 
 Writes --out (default reports/experiment/): report.md, results.json and PNG plots. Every run has
 a deadline (--timeout); a run that fails or hangs is reported with its output tail and the
@@ -12,6 +13,7 @@ others still run. Exit codes: 0 every run finished; 1 some run failed (the repor
 written); 2 a usage error; 130 interrupted (what finished is written).
 """
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -23,7 +25,7 @@ import kvps
 
 from kvps.tools.experiment import findings as findings_mod
 from kvps.tools.experiment import presets, report, runner
-from kvps.tools.experiment.metrics import show, summarize
+from kvps.tools.experiment.metrics import cells, show, summarize
 
 OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
 DEFAULT_DELAY = 0.005      # seconds: the straggler's delay when no straggler-free run gave a step time
@@ -34,6 +36,8 @@ def _csv(kind):
         items = [t.strip() for t in text.split(",") if t.strip()]
         if not items:
             raise argparse.ArgumentTypeError(f"--{kind} {text!r} lists nothing")
+        if kind == "rates":
+            return items
         if kind == "workers":
             try:
                 values = [int(t) for t in items]
@@ -73,9 +77,9 @@ def parser():
                                 epilog="docs/experiment.md describes the runs and how to read the report.")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="preset", action="store_const", const="quick",
-                      help="digits and sparse LR at W=3, with and without a straggler: 20 runs, about 3 min")
+                      help="digits at W=3, 7 cells (4 modes without the straggler, 3 with) x 3 repeats: 3.5 to 5 min")
     size.add_argument("--full", dest="preset", action="store_const", const="full",
-                      help="both workloads, W in 2,4, eight modes (the default)")
+                      help="both workloads, W in 2,4, eight modes, 5 repeats (the default)")
     size.add_argument("--tiny", dest="preset", action="store_const", const="tiny",
                       help="a few dozen steps per run, digits at W=2: checks the whole pipeline")
     p.add_argument("--workloads", type=_csv("workloads"), help=f"of: {', '.join(presets.WORKLOADS)}")
@@ -93,7 +97,14 @@ def parser():
     p.add_argument("--target", default=None,
                    help="test-accuracy targets: 0.9 for all, or digits=0.97,sparse=0.7 (default: "
                         + ", ".join(f"{w.name}={w.target}" for w in presets.WORKLOADS.values()) + ")")
-    p.add_argument("--seed", type=int, default=None, help="the scripts' data and model seed (default 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the scripts' data and model seed of the first repeat; repeat r uses seed + r (default 0)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of every cell, each with its own seed (default: the preset's: tiny 1, quick 3, full 5)")
+    p.add_argument("--emulate", type=_csv("rates"), default=None, metavar="RATE[,RATE]",
+                   help="also run the straggler-free cells on `kvps emulate` hosts at these link rates (1gbit, "
+                        "100mbit); default workloads then: wide, modes: sync, async, allreduce. Skipped with the "
+                        "reason where network namespaces are not permitted")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each run in seconds")
     p.add_argument("--out", default=os.path.join("reports", "experiment"), help="report directory")
     p.set_defaults(preset="full")
@@ -103,11 +114,28 @@ def parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    # Checked before any run starts: without scikit-learn every digits run used to start and then
+    # fail with ModuleNotFoundError, one by one (sklearn ships the digits data set the runs train on).
+    import importlib.util
+    if importlib.util.find_spec("sklearn") is None:
+        print("kvps experiment: error: scikit-learn is not installed; the experiments need it "
+              "(pip install 'kvps[experiment]')", file=sys.stderr)
+        return USAGE
     preset = presets.PRESETS[args.preset]
     stragglers = {"both": None, "on": (True,), "off": (False,)}[args.straggler]
+    repeats = preset.repeats if args.repeats is None else args.repeats
+    seed = args.seed or 0
     try:
-        specs = presets.plan(preset, args.workloads, args.modes, args.workers, stragglers, args.servers,
-                             args.steps, args.seconds, args.seed, calibrate=args.straggler_delay is None)
+        if repeats < 1:
+            raise ValueError(f"--repeats {repeats} must be at least 1")
+        rates, skipped = _rates(args.emulate)
+        workloads, modes = args.workloads, args.modes
+        if args.emulate:
+            workloads = workloads or presets.EMULATED_WORKLOADS
+            modes = modes or preset.emulated_modes
+        specs = presets.plan(preset, workloads, modes, args.workers, stragglers, args.servers,
+                             args.steps, args.seconds, seed, calibrate=args.straggler_delay is None)
+        specs = presets.emulated(specs, rates)
         workloads = sorted({s.workload for s in specs}, key=list(presets.WORKLOADS).index)
         targets = {w: presets.WORKLOADS[w].target for w in workloads}
         if args.target:
@@ -127,11 +155,16 @@ def main(argv=None):
         "modes": {m: presets.kvstore_type(m) for m in dict.fromkeys(s.mode for s in specs)},
         "workers": sorted({s.workers for s in specs}),
         "servers": preset.servers if args.servers is None else args.servers,
-        "stragglers": [], "runs": [], "findings": [], "summary": [],
+        "repeats": repeats, "seed": seed,
+        "emulate": {"rates": args.emulate, "skipped": skipped} if args.emulate else None,
+        "stragglers": [], "runs": [], "findings": [], "summary": [], "cells": [],
     }
-    code = _run_all(specs, results, args, preset)
+    if skipped:
+        print(f"[experiment] emulated hosts skipped: {skipped}", flush=True)
+    code = _run_all(specs, results, args, preset, repeats, seed)
     results["findings"] = findings_mod.findings(results["runs"], targets)
     results["summary"] = [summarize(r, targets[r["workload"]]) for r in results["runs"]]
+    results["cells"] = cells(results["runs"], targets)
     path = report.write(args.out, results)
     print("\n[experiment] findings:")
     for f in results["findings"]:
@@ -142,11 +175,30 @@ def main(argv=None):
     return code if code != OK else (FAILED if failed else OK)
 
 
-def _run_all(specs, results, args, preset):
+def _rates(asked):
+    """(the rates to emulate, None) or ([], why not) where namespaces are not permitted. Raises
+    ValueError naming a rate that is not one."""
+    if not asked:
+        return [], None
+    from kvps.errors import ConfigError
+    from kvps.tools.emulate import parse_rate, permitted
+    for rate in asked:
+        try:
+            parse_rate(rate)
+        except ConfigError as exc:
+            raise ValueError(f"--emulate: {exc}") from None
+    ok, why = permitted()
+    return (list(asked), None) if ok else ([], why)
+
+
+def _run_all(specs, results, args, preset, repeats=1, seed=0):
+    """Every spec, `repeats` times over: the whole grid once per repeat (seed + r), in plan order."""
     start = time.monotonic()
     delays = {}
+    total = len(specs) * repeats
+    todo = [(r, spec) for r in range(repeats) for spec in specs]
     try:
-        for i, spec in enumerate(specs, 1):
+        for i, (repeat, spec) in enumerate(todo, 1):
             delay = 0.0
             if spec.straggler:
                 group = (spec.workload, spec.workers)
@@ -157,9 +209,17 @@ def _run_all(specs, results, args, preset):
             what = f"{spec.workload} W={spec.workers} {spec.mode}"
             if spec.straggler:
                 what += f", straggler W{spec.workers - 1} +{show('delay_ms', delay * 1e3)}/step"
-            print(f"[experiment] ({i}/{len(specs)}) {what}", flush=True)
-            result = runner.run(spec, delay=delay, timeout=timeout, kind=args.straggler_kind,
-                                seed=args.seed or 0, say=lambda text: print(f"[experiment] {text}", flush=True))
+            if spec.net != "local":
+                what += f", emulated hosts at {spec.net}"
+            if repeats > 1:
+                what += f", repeat {repeat + 1}/{repeats} (seed {seed + repeat})"
+            print(f"[experiment] ({i}/{total}) {what}", flush=True)
+            seeded = dataclasses.replace(spec, args=presets.with_seed(spec.args, seed + repeat))
+            result = runner.run(seeded, delay=delay, timeout=timeout, kind=args.straggler_kind,
+                                seed=seed + repeat, say=lambda text: print(f"[experiment] {text}", flush=True))
+            result["seed"], result["repeat"] = seed + repeat, repeat
+            if repeats > 1:
+                result["id"] = f"{spec.id}/r{repeat}"
             results["runs"].append(result)
             _say_done(result, results["targets"][spec.workload])
     except KeyboardInterrupt:
@@ -171,10 +231,12 @@ def _run_all(specs, results, args, preset):
 
 
 def _deadline(spec, preset, delay):
-    """The preset's deadline, stretched for long runs and for the straggler's sleeps."""
+    """The preset's deadline, stretched for long runs, for the straggler's sleeps and for emulated
+    hosts (building the namespaces, and slow links)."""
     steps = presets.steps_of(spec.args)
-    return max(preset.timeout, 30.0 + steps / 1000 * presets.WORKLOADS[spec.workload].step_timeout
+    base = max(preset.timeout, 30.0 + steps / 1000 * presets.WORKLOADS[spec.workload].step_timeout
                + 3 * steps * delay)
+    return base if spec.net == "local" else 2 * base
 
 
 def _straggler_delay(spec, results, args):
@@ -186,6 +248,7 @@ def _straggler_delay(spec, results, args):
     else:
         clean = [r for r in results["runs"] if r["workload"] == spec.workload and r["workers"] == spec.workers
                  and r["straggler"] is None and r["status"] == "ok"]
+        clean = [r for r in clean if r.get("net", "local") == "local"]
         sync = [r for r in clean if r["mode"] == "sync"]
         steps = [f["step_ms"] for r in (sync or clean) for f in r["finals"] if f.get("rank") == 0]
         if steps:

@@ -1,15 +1,24 @@
 """What an experiment found, in plain words, generated from its numbers and from nothing else.
 
     for f in findings(runs, targets):
-        print(f["text"])        # "digits, W=3, no straggler: ssp:4 reached 95% test accuracy first, in 1.21 s; ..."
-        f["facts"]              # every number in the text: which run, which metric, its value, how shown
+        print(f["text"])   # "digits, W=3, no straggler: median time to 95% test accuracy over 3 runs ..."
+        f["facts"]         # every number in the text: which cell, which metric, median, interval, how shown
 
-Each sentence is assembled from the runs' metrics (kvps.tools.experiment.metrics); comparisons
-("first", "most") come from sorting those numbers. Each quoted number is recorded as a fact,
-{"run": id, "metric": m, "value": v, "shown": s} (a ratio: "runs": [a, b] and "of": m), so a test
-can recompute it from results.json and find the same text in report.md.
+A cell is one setting run --repeats times (metrics.cell). Each sentence is assembled from the
+cells' medians and 95% bootstrap intervals (intervals.py). Orderings ("fastest first") sort the
+medians, but cells whose intervals overlap the interval of the first cell of their group are
+put in one group and the text says "no clear difference" between them rather than ranking
+them: with 3 to 5 repeats on a shared machine, an order the intervals do not support is noise.
+With one run per cell there are no intervals, and the sentence says so.
+
+Each quoted number is recorded as a fact, {"cell": id, "metric": m, "median", "low", "high", "n",
+"shown"} (a ratio of medians: "cells": [a, b], "of": m, "value"), so a test can recompute it from
+the runs in results.json and find the same text in report.md.
 """
-from kvps.tools.experiment.metrics import show, summarize
+import math
+
+from kvps.tools.experiment import intervals
+from kvps.tools.experiment.metrics import cells, median, show, show_interval
 
 
 class _Sentence:
@@ -22,16 +31,18 @@ class _Sentence:
         self.parts.append(text)
         return self
 
-    def num(self, row, metric, value=None):
-        value = row[metric] if value is None else value
-        shown = show(metric, value)
-        self.facts.append({"run": row["id"], "metric": metric, "value": value, "shown": shown})
+    def num(self, row, metric):
+        d = row[metric]
+        shown = show_interval(metric, d)
+        fact = {"cell": row["id"], "metric": metric, "shown": shown}
+        fact.update(d or {"median": None, "low": None, "high": None, "n": 0})
+        self.facts.append(fact)
         return shown
 
     def ratio(self, row, base, metric):
-        value = row[metric] / base[metric]
+        value = median(row, metric) / median(base, metric)
         shown = show("ratio", value)
-        self.facts.append({"runs": [row["id"], base["id"]], "metric": "ratio", "of": metric, "value": value,
+        self.facts.append({"cells": [row["id"], base["id"]], "metric": "ratio", "of": metric, "value": value,
                            "shown": shown})
         return shown
 
@@ -49,26 +60,75 @@ def _listing(items):
     return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1] if items else ""
 
 
+def _iv(row, metric):
+    return intervals.from_dict(row[metric])
+
+
+def groups(rows, metric, most_first=False):
+    """rows ordered by their median of metric (best first), cut into groups: a row joins the group
+    before it when its interval overlaps that group's first row's interval."""
+    sign = -1 if most_first else 1
+    ordered = sorted(rows, key=lambda r: (sign * _iv(r, metric).median, r["id"]))
+    out = []
+    for row in ordered:
+        if out and intervals.overlap(_iv(out[-1][0], metric), _iv(row, metric)):
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def _ordering(s, rows, metric, most_first=False):
+    """"a x; then b y and c z, no clear difference between them" (the groups, best first), or, when
+    all rows are one group, "no clear difference: a x, b y and c z"."""
+    found = groups(rows, metric, most_first)
+    if len(found) == 1 and len(rows) > 1:
+        return "no clear difference (the 95% intervals overlap) between " + _listing(
+            [f"{r['mode']} {s.num(r, metric)}" for r in found[0]])
+    parts = []
+    for g in found:
+        text = _listing([f"{r['mode']} {s.num(r, metric)}" for r in g])
+        parts.append(text + (", no clear difference between them" if len(g) > 1 else ""))
+    return "; then ".join(parts)
+
+
+def _over(rows):
+    n = sorted({r["ok"] for r in rows})
+    if n == [1]:
+        return "one run each, so no intervals; a repeat can order close modes differently"
+    return f"median of {_listing([str(k) for k in n])} runs, 95% bootstrap interval in brackets"
+
+
 def findings(runs, targets):
     """[{"text", "facts"}] for a list of run results and {workload: target accuracy}."""
     out = []
-    groups = {}
-    for run in runs:
-        groups.setdefault((run["workload"], run["workers"]), []).append(run)
-    for (workload, workers), group in groups.items():
+    by_run = {r["id"]: r for r in runs}
+    table = {}
+    for row in cells(runs, targets):
+        table.setdefault((row["workload"], row["workers"]), []).append(row)
+    for (workload, workers), group in table.items():
         target = targets[workload]
-        rows = {(r["mode"], r["straggler"] is not None): summarize(r, target) for r in group if r["status"] == "ok"}
-        by_id = {r["id"]: r for r in group}
-        where = f"{workload}, W={workers}"
-        for straggled in (False, True):
-            setting = [row for (mode, s), row in rows.items() if s == straggled]
-            if not setting:
-                continue
-            label = _straggler_label(by_id[setting[0]["id"]]) if straggled else (lambda s: "no straggler")
-            out.append(_race(where, label, setting, target))
-            out += [f for f in (_throughput(where, label, setting), _efficiency(where, label, setting, target)) if f]
-        out += [f for f in (_straggler_effect(where, rows, by_id), _staleness(where, rows), _dropped(where, rows))
-                if f]
+        nets = list(dict.fromkeys(r["net"] for r in group))
+        for net in nets:
+            where = f"{workload}, W={workers}" + ("" if net == "local" else f", emulated hosts at {net}")
+            here = [r for r in group if r["net"] == net and r["ok"]]
+            for straggled in (False, True):
+                setting = [r for r in here if r["straggler"] == straggled]
+                if not setting:
+                    continue
+                run = by_run[setting[0]["run_ids"][0]]
+                label = _straggler_label(run) if straggled else (lambda s: "no straggler")
+                out.append(_race(where, label, setting, target))
+                out += [f for f in (_throughput(where, label, setting), _efficiency(where, label, setting, target))
+                        if f]
+            out += [f for f in (_straggler_effect(where, here, by_run), _staleness(where, here), _dropped(where, here))
+                    if f]
+        local = [r for r in group if r["net"] == "local" and r["ok"] and not r["straggler"]]
+        for net in nets[1:]:
+            f = _network_effect(f"{workload}, W={workers}", net, local,
+                                [r for r in group if r["net"] == net and r["ok"]])
+            if f:
+                out.append(f)
     failed = [r for r in runs if r["status"] != "ok"]
     if failed:
         out.append({"text": f"{len(failed)} of {len(runs)} runs did not finish: " +
@@ -84,84 +144,113 @@ def _straggler_label(run):
 
 def _race(where, label, rows, target):
     s = _Sentence()
-    s.add(f"{where}, {label(s)}: ")
-    reached = sorted((r for r in rows if r["time_to_target"] is not None), key=lambda r: r["time_to_target"])
-    missed = [r for r in rows if r["time_to_target"] is None]
     goal = show("target", target)
+    s.add(f"{where}, {label(s)}: ")
+    reached = [r for r in rows if median(r, "time_to_target") is not None
+               and not math.isinf(median(r, "time_to_target"))]
+    missed = [r for r in rows if r not in reached]
     if not reached:
-        best = max(rows, key=lambda r: r["final_accuracy"])
-        s.add(f"no mode reached {goal} test accuracy; the best final accuracy was {best['mode']}'s "
-              f"{s.num(best, 'final_accuracy')}.")
+        best = max(rows, key=lambda r: median(r, "final_accuracy") or 0)
+        s.add(f"no mode reached {goal} test accuracy in most of its runs; the best final accuracy was "
+              f"{best['mode']}'s {s.num(best, 'final_accuracy')}.")
         return s.done()
-    first = reached[0]
-    s.add(f"{first['mode']} reached {goal} test accuracy first, in {s.num(first, 'time_to_target')}")
-    if len(reached) > 1:
-        s.add("; then " + _listing([f"{r['mode']} {s.num(r, 'time_to_target')}" for r in reached[1:]]))
+    s.add(f"time to {goal} test accuracy ({_over(rows)}), fastest first: ")
+    s.add(_ordering(s, reached, "time_to_target"))
     if missed:
-        s.add("; not reached within the run: " + _listing(
-            [f"{r['mode']} (final {s.num(r, 'final_accuracy')})" for r in missed]))
+        s.add("; not reached in most runs: " + _listing(
+            [f"{r['mode']} (final accuracy {s.num(r, 'final_accuracy')})" for r in missed]))
     return s.add(".").done()
 
 
 def _throughput(where, label, rows):
-    rated = sorted((r for r in rows if r["updates_per_s"]), key=lambda r: -r["updates_per_s"])
+    rated = [r for r in rows if r["updates_per_s"]]
     if len(rated) < 2:
         return None
     s = _Sentence()
     s.add(f"{where}, {label(s)}: gradients applied per second, most first: ")
-    s.add(_listing([f"{r['mode']} {s.num(r, 'updates_per_s')}" for r in rated]) + ".")
+    s.add(_ordering(s, rated, "updates_per_s", most_first=True) + ".")
     return s.done()
 
 
 def _efficiency(where, label, rows, target):
-    counted = sorted((r for r in rows if r["updates_to_target"] is not None), key=lambda r: r["updates_to_target"])
+    counted = [r for r in rows if r["updates_to_target"] and not math.isinf(median(r, "updates_to_target"))]
     if len(counted) < 2:
         return None
     s = _Sentence()
-    s.add(f"{where}, {label(s)}: gradients applied until {show('target', target)} test accuracy, "
-          f"fewest first: ")
-    s.add(_listing([f"{r['mode']} {s.num(r, 'updates_to_target')}" for r in counted]) + ".")
+    s.add(f"{where}, {label(s)}: gradients applied until {show('target', target)} test accuracy, fewest first: ")
+    s.add(_ordering(s, counted, "updates_to_target") + ".")
     return s.done()
 
 
-def _straggler_effect(where, rows, by_id):
-    pairs = [(rows[(m, True)], rows[(m, False)]) for (m, s) in rows if s and (m, False) in rows
-             and rows[(m, True)]["updates_per_s"] and rows[(m, False)]["updates_per_s"]]
+def _straggler_effect(where, rows, by_run):
+    keyed = {(r["mode"], r["straggler"]): r for r in rows}
+    pairs = [(keyed[(m, True)], keyed[(m, False)]) for (m, straggled) in keyed if straggled
+             and (m, False) in keyed and median(keyed[(m, True)], "updates_per_s")
+             and median(keyed[(m, False)], "updates_per_s")]
     if not pairs:
         return None
-    pairs.sort(key=lambda p: -p[0]["updates_per_s"] / p[1]["updates_per_s"])
+    pairs.sort(key=lambda p: -median(p[0], "updates_per_s") / median(p[1], "updates_per_s"))
     s = _Sentence()
-    run = by_id[pairs[0][0]["id"]]
+    run = by_run[pairs[0][0]["run_ids"][0]]
     s.add(f"{where}: with the straggler (W{run['straggler']['rank']} +{s.delay(run)} per step")
-    base = rows.get(("sync", False))
+    base = keyed.get(("sync", False))
     if base and base["step_ms"]:
         s.add(f"; a sync step without it took {s.num(base, 'step_ms')}")
-    s.add("), each mode kept this share of its straggler-free throughput, most kept first: ")
-    s.add(_listing([f"{a['mode']} {s.ratio(a, b, 'updates_per_s')}" for a, b in pairs]))
-    slow = [(a, b) for a, b in pairs if a["time_to_target"] is not None and b["time_to_target"] is not None]
+    s.add("), each mode kept this share of its straggler-free throughput (a ratio of medians), most kept first: ")
+    items = []
+    for a, b in pairs:
+        same = intervals.overlap(_iv(a, "updates_per_s"), _iv(b, "updates_per_s")) and a["ok"] > 1
+        items.append(f"{a['mode']} {s.ratio(a, b, 'updates_per_s')}"
+                     + (" (no clear difference from without it)" if same else ""))
+    s.add(_listing(items))
+    slow = [(a, b) for a, b in pairs if not math.isinf(median(a, "time_to_target") or math.inf)
+            and not math.isinf(median(b, "time_to_target") or math.inf)]
     if slow:
         s.add("; time to target with / without it: " + _listing(
             [f"{a['mode']} {s.num(a, 'time_to_target')} / {s.num(b, 'time_to_target')}" for a, b in slow]))
     return s.add(".").done()
 
 
+def _network_effect(where, net, local, emulated):
+    """Each mode's emulated cell beside its loopback twin."""
+    twins = {r["mode"]: r for r in local}
+    pairs = [(e, twins[e["mode"]]) for e in emulated if e["mode"] in twins and median(e, "updates_per_s")
+             and median(twins[e["mode"]], "updates_per_s")]
+    if not pairs:
+        return None
+    s = _Sentence()
+    s.add(f"{where}: on emulated hosts with {net} links (each node on a host of its own) against this machine's "
+          f"loopback, gradients applied per second, emulated / local: ")
+    s.add(_listing([f"{e['mode']} {s.num(e, 'updates_per_s')} / {s.num(b, 'updates_per_s')} "
+                    f"({s.ratio(e, b, 'updates_per_s')})" for e, b in pairs]))
+    order = groups([e for e, _ in pairs], "updates_per_s", most_first=True)
+    if len(pairs) == 1:
+        pass
+    elif len(order) > 1:
+        s.add(f"; on the emulated links {_listing([r['mode'] for r in order[0]])} applied the most")
+    else:
+        s.add("; on the emulated links there is no clear difference between the modes' throughput")
+    return s.add(".").done()
+
+
 def _staleness(where, rows):
-    measured = [r for r in rows.values() if r["mean_staleness"] is not None]
+    measured = [r for r in rows if r["mean_staleness"] is not None]
     if not measured:
         return None
     s = _Sentence()
-    s.add(f"{where}: mean staleness of applied pushes (updates to the key between the pushing worker's pull and its push), highest first: ")
-    ordered = sorted(measured, key=lambda r: (-r["mean_staleness"], r["id"]))
+    s.add(f"{where}: mean staleness of applied pushes (updates to the key between the pushing worker's pull and "
+          f"its push), highest first: ")
+    ordered = sorted(measured, key=lambda r: (-median(r, "mean_staleness"), r["id"]))
     s.add(_listing([f"{r['mode']}{' with the straggler' if r['straggler'] else ''} "
                     f"{s.num(r, 'mean_staleness')} (max {s.num(r, 'max_staleness')})" for r in ordered]))
-    missing = sorted({r["mode"] for r in rows.values() if r["mean_staleness"] is None and r["mode"] != "allreduce"})
+    missing = sorted({r["mode"] for r in rows if r["mean_staleness"] is None and r["mode"] != "allreduce"})
     if missing:
         s.add("; the servers reported no staleness histogram for " + _listing(missing))
     return s.add(".").done()
 
 
 def _dropped(where, rows):
-    dropping = sorted((r for r in rows.values() if r["dropped"]), key=lambda r: r["id"])
+    dropping = sorted((r for r in rows if r["dropped"] and median(r, "dropped")), key=lambda r: r["id"])
     if not dropping:
         return None
     s = _Sentence()

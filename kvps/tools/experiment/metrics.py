@@ -12,7 +12,16 @@ quotes. Definitions:
 * updates_per_s: gradients applied per second of rank 0's training: its last point's updates / time.
 * mean_staleness, max_staleness: over the servers' histogram of applied pushes (index = staleness).
 * dropped_share: pushes dropped (backup workers) / pushes received.
+
+A cell is one setting (workload, W, mode, straggler, network) run --repeats times with different
+seeds; cell() gives its row: for each metric the median over the runs that finished and the 95%
+bootstrap interval of that median (intervals.py). For time and updates to target, a run that
+never reached the target counts as infinitely slow, so a median that is "not reached" means most
+runs did not reach it.
 """
+import math
+
+from kvps.tools.experiment import intervals
 
 
 def reach(points, target, axis="time"):
@@ -59,6 +68,49 @@ def summarize(run, target):
     }
 
 
+CELL_METRICS = ("time_to_target", "updates_to_target", "updates_per_s", "final_accuracy", "final_loss", "step_ms",
+                "mean_staleness", "max_staleness", "dropped", "dropped_share")
+CENSORED = ("time_to_target", "updates_to_target")      # None there: not reached, ranked as +inf
+
+
+def cell_id(run):
+    """The setting a run repeats: its id without the repeat suffix."""
+    return run.get("cell", run["id"])
+
+
+def cell(runs, target):
+    """The row of one cell from its runs (all of one setting): {"id", "workload", "mode", "workers",
+    "straggler", "net", "runs", "ok", "seeds", metric: interval dict or None, ...}. Metrics of runs
+    that did not finish are left out; a metric no finished run has is None."""
+    first = runs[0]
+    rows = [summarize(r, target) for r in runs if r["status"] == "ok"]
+    out = {"id": cell_id(first), "workload": first["workload"], "mode": first["mode"], "workers": first["workers"],
+           "straggler": first.get("straggler") is not None, "net": first.get("net", "local"), "target": target,
+           "runs": len(runs), "ok": len(rows), "run_ids": [r["id"] for r in runs],
+           "reached": sum(1 for r in rows if r["time_to_target"] is not None)}
+    for metric in CELL_METRICS:
+        if metric in CENSORED:
+            values = [r[metric] for r in rows]
+        else:
+            values = [r[metric] for r in rows if r[metric] is not None]
+        out[metric] = intervals.as_dict(intervals.interval(values)) if values else None
+    return out
+
+
+def cells(runs, targets):
+    """[cell row] for every setting in the runs, in the order each first ran."""
+    groups = {}
+    for run in runs:
+        groups.setdefault(cell_id(run), []).append(run)
+    return [cell(group, targets[group[0]["workload"]]) for group in groups.values()]
+
+
+def median(row, metric):
+    """A cell's median of metric (inf for "not reached"), or None when no finished run has it."""
+    d = row.get(metric)
+    return None if d is None else intervals.from_dict(d).median
+
+
 FORMATS = {
     "time_to_target": lambda v: f"{v:.2f} s",
     "updates_to_target": lambda v: f"{int(v):,}",
@@ -80,6 +132,18 @@ MISSING = {"time_to_target": "not reached", "updates_to_target": "not reached"}
 
 def show(metric, value):
     """A number as the report prints it."""
-    if value is None:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
         return MISSING.get(metric, "n/a")
     return FORMATS[metric](value)
+
+
+def show_interval(metric, d):
+    """A cell's metric as the report prints it: "1.21 s (1.05 to 1.40)", the median alone for one
+    run or when every run gave the same value, "n/a" when no finished run has it."""
+    if d is None:
+        return "n/a"
+    iv = intervals.from_dict(d)
+    low, high = show(metric, iv.low), show(metric, iv.high)
+    if iv.n == 1 or low == high:
+        return show(metric, iv.median)
+    return f"{show(metric, iv.median)} ({low} to {high})"

@@ -3,9 +3,12 @@
     plan(PRESETS["quick"])          # [RunSpec], in the order they run
     kvstore_type("ssp:4")           # "dist_ssp:4"
 
-A preset is a grid: workloads x worker counts x (no straggler, a 2x straggler) x modes. Within
-one workload and worker count the runs without a straggler come first, sync first of all,
-because the straggler's delay is set from the sync run's measured step time.
+A preset is a grid: workloads x worker counts x (no straggler, a 2x straggler) x modes x
+networks (this machine's loopback, and with --emulate each emulated link rate), each cell run
+`repeats` times with seeds seed, seed+1, ... Within one workload and worker count the runs
+without a straggler come first, sync first of all, because the straggler's delay is set from the
+sync run's measured step time. Emulated cells run without the straggler (`kvps emulate` gives
+every worker the same environment).
 """
 import dataclasses
 import re
@@ -44,7 +47,16 @@ WORKLOADS = {
          "full": ("--dim", "1048576", "--keys", "64", "--train", "200000", "--test", "10000", "--steps", "1000",
                   "--eval-every", "0.5s", "--lr", "2")},
         step_timeout=60.0),
+    "wide": Workload(
+        "wide", "kvps.tools.experiment.workloads.digits",
+        "MLP (64-128-128-10, 26,122 parameters: 104 KB of gradients per step) on the digits, SGD lr 0.2, "
+        "batch 512 per worker: about as long to compute as to send over 100 Mbit/s", 0.95,
+        {"tiny": ("--model", "wide", "--batch", "512", "--lr", "0.2", "--steps", "30", "--eval-every", "10"),
+         "quick": ("--model", "wide", "--batch", "512", "--lr", "0.2", "--steps", "200", "--eval-every", "0.2s"),
+         "full": ("--model", "wide", "--batch", "512", "--lr", "0.2", "--steps", "400", "--eval-every", "0.2s")},
+        step_timeout=120.0),
 }
+EMULATED_WORKLOADS = ("wide",)      # what --emulate runs unless --workloads says otherwise
 
 QUICK_MODES = ("sync", "async", "ssp:1", "ssp:4", "backup:1", "allreduce")
 FULL_MODES = ("sync", "async", "ssp:1", "ssp:2", "ssp:4", "ssp:8", "backup:1", "allreduce")
@@ -59,16 +71,23 @@ class Preset:
     workers: tuple
     stragglers: tuple = (False, True)
     straggler_modes: tuple = None   # the modes run with the straggler (None: every mode)
+    clean_modes: tuple = None       # the modes run without it (None: every mode)
     workload_modes: dict = None     # workload -> its own modes, where it runs fewer than `modes`
     servers: int = 1
     timeout: float = 180.0        # default deadline of one run, seconds
+    repeats: int = 1              # runs of each cell, with seeds seed, seed+1, ...
+    emulated_modes: tuple = ("sync", "async", "allreduce")   # the modes run on emulated hosts
 
 
+# quick repeats a reduced grid: 3 x the old 20 runs (each about 9 s of start-up and training on an
+# idle 2-core machine, 15 s on a loaded one) would take 9 to 15 minutes; 3 x these 7 cells take
+# 3.5 to 5 (docs/experiment.md).
 PRESETS = {
     "tiny": Preset("tiny", "tiny", ("digits",), QUICK_MODES, (2,), straggler_modes=("sync", "async"), timeout=60.0),
-    "quick": Preset("quick", "quick", ("digits", "sparse"), QUICK_MODES, (3,),
-                    workload_modes={"sparse": ("sync", "async", "ssp:4", "allreduce")}, timeout=120.0),
-    "full": Preset("full", "full", ("digits", "sparse"), FULL_MODES, (2, 4), timeout=300.0),
+    "quick": Preset("quick", "quick", ("digits",), ("sync", "async", "ssp:4", "allreduce", "backup:1"), (3,),
+                    straggler_modes=("sync", "async", "backup:1"), timeout=120.0, repeats=3,
+                    clean_modes=("sync", "async", "ssp:4", "allreduce")),
+    "full": Preset("full", "full", ("digits", "sparse"), FULL_MODES, (2, 4), timeout=300.0, repeats=5),
 }
 
 
@@ -81,10 +100,13 @@ class RunSpec:
     servers: int
     straggler: bool
     args: tuple
+    net: str = "local"            # "local" (loopback), or an emulated link rate such as "100mbit"
 
     @property
     def id(self):
-        return f"{self.workload}/W{self.workers}/{self.mode}/{'straggler' if self.straggler else 'none'}"
+        """The cell's id (a run's id adds /r<repeat> when there are repeats)."""
+        text = f"{self.workload}/W{self.workers}/{self.mode}/{'straggler' if self.straggler else 'none'}"
+        return text if self.net == "local" else f"{text}/{self.net}"
 
     @property
     def kvstore(self):
@@ -162,8 +184,27 @@ def plan(preset, workloads=None, modes=None, workers=None, stragglers=None, serv
                     if straggler and preset.straggler_modes is not None and not explicit \
                             and mode not in preset.straggler_modes:
                         continue
+                    if not straggler and preset.clean_modes is not None and not explicit \
+                            and mode not in preset.clean_modes:
+                        continue
                     specs.append(RunSpec(workload, mode, w, servers_for(mode, servers), straggler, args))
     return specs
+
+
+def emulated(specs, rates):
+    """specs, then their straggler-free cells once more on emulated hosts at each rate (after every
+    local run: the report puts each beside its local twin)."""
+    return list(specs) + [dataclasses.replace(s, net=rate) for rate in rates for s in specs if not s.straggler]
+
+
+def with_seed(args, seed):
+    """The script's arguments with --seed set to seed."""
+    args = list(args)
+    if "--seed" in args:
+        args[args.index("--seed") + 1] = str(seed)
+    else:
+        args += ["--seed", str(seed)]
+    return tuple(args)
 
 
 def steps_of(args):

@@ -4,13 +4,16 @@
 
 The command is `python -m kvps.cli launch -n W -s S [--straggler R=fixed:D] -- python -m
 kvps.tools.experiment.workloads.X --kvstore TYPE ...`; the straggler is the last worker (never rank 0, which
-evaluates). Progress lines go to `say` while it runs. The result is a plain dict (it goes into
-results.json as it is): the spec, status ("ok", "failed", "timeout"), exit code, wall time,
-rank 0's evaluation points, every worker's final line, the servers' counters, and for a run
+evaluates). An emulated cell (spec.net a rate) runs under `python -m kvps.cli emulate -n W -s S
+--rate RATE --timeout T -- ...` instead: every node on a host of its own with its own link
+(kvps/tools/emulate), the workers' output prefixed as `kvps launch` prefixes it.
+
+Progress lines go to `say` while it runs. The result is a plain dict (it goes into results.json
+as it is): the spec, status ("ok", "failed", "timeout"), exit code, wall time, rank 0's evaluation points, every worker's final line, the servers' counters, and for a run
 that did not succeed an error and the tail of its output.
 
 The launcher runs in a session of its own (kvps.supervisor), and keeps its children in its process
-group (kvps.launcher). A run past its deadline is stopped: SIGINT to the launcher, which stops the
+group (kvps.launch.job). A run past its deadline is stopped: SIGINT to the launcher, which stops the
 scheduler, servers and workers it started (by pid); SIGKILL to its process group if it has not
 exited 15 s later. Either way, whatever is left in that group once the launcher has exited (a child
 it was still starting) is killed with it, so no process of a run outlives it.
@@ -42,13 +45,22 @@ def straggler_of(spec, delay, kind="fixed"):
     return {"rank": spec.workers - 1, "delay_s": delay, "kind": kind, "spec": text}
 
 
-def command(spec, straggler=None, seed=0, python=None):
+EMULATE_MARGIN = 10.0      # seconds `kvps emulate` stops its job before the run's own deadline (its cleanup)
+
+
+def command(spec, straggler=None, seed=0, python=None, timeout=180.0):
     """The argv that launches the run."""
     python = python or sys.executable
+    script = [python, "-m", WORKLOADS[spec.workload].module, "--kvstore", spec.kvstore, *spec.args]
+    if spec.net != "local":
+        if straggler:
+            raise ValueError(f"{spec.id}: an emulated run cannot have a straggler (every worker gets one environment)")
+        return [python, "-m", "kvps.cli", "emulate", "-n", str(spec.workers), "-s", str(spec.servers), "--rate",
+                spec.net, "--timeout", f"{max(5.0, timeout - EMULATE_MARGIN):g}", "--", *script]
     argv = [python, "-m", "kvps.cli", "launch", "-n", str(spec.workers), "-s", str(spec.servers)]
     if straggler:
         argv += ["--straggler", f"{straggler['rank']}={straggler['spec']}", "--straggler-seed", str(seed)]
-    return argv + ["--", python, "-m", WORKLOADS[spec.workload].module, "--kvstore", spec.kvstore, *spec.args]
+    return argv + ["--", *script]
 
 
 def shown_command(argv):
@@ -73,9 +85,9 @@ def parse_line(line):
 def run(spec, delay=0.0, timeout=180.0, say=print, kind="fixed", seed=0, env=None):
     """Run one job; returns its result dict (never raises for a failed or hung job)."""
     straggler = straggler_of(spec, delay, kind)
-    argv = command(spec, straggler, seed)
-    result = {"id": spec.id, "workload": spec.workload, "mode": spec.mode, "kvstore": spec.kvstore,
-              "workers": spec.workers, "servers": spec.servers, "straggler": straggler,
+    argv = command(spec, straggler, seed, timeout=timeout)
+    result = {"id": spec.id, "cell": spec.id, "workload": spec.workload, "mode": spec.mode, "kvstore": spec.kvstore,
+              "workers": spec.workers, "servers": spec.servers, "straggler": straggler, "net": spec.net,
               "args": list(spec.args), "command": shown_command(argv),
               "status": None, "exit_code": None, "wall_s": None, "error": None,
               "points": [], "finals": [], "server": None, "tail": []}
@@ -124,7 +136,8 @@ def run(spec, delay=0.0, timeout=180.0, say=print, kind="fixed", seed=0, env=Non
 
 def _judge(result, workers):
     if result["exit_code"] != 0:
-        return "failed", f"kvps launch exited with code {result['exit_code']}"
+        tool = "kvps emulate" if result.get("net", "local") != "local" else "kvps launch"
+        return "failed", f"{tool} exited with code {result['exit_code']}"
     missing = sorted(set(range(workers)) - {f.get("rank") for f in result["finals"]})
     if missing:
         return "failed", "no final line from " + ", ".join(f"W{r}" for r in missing)

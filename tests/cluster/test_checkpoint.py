@@ -1,0 +1,160 @@
+"""Checkpoints with real processes (docs/checkpoint.md): a dist_sync job with Adam saves, is killed
+whole, and resumes with another number of servers, ending bit for bit where a job that never
+stopped ends; so does one resumed from its periodic checkpoint; MXNet's save_optimizer_states /
+load_optimizer_states work in dist mode; a truncated, corrupt, incomplete or mismatched checkpoint
+is refused, naming the file and what is wrong, and the job goes on."""
+import json
+
+from harness import wait_for
+
+TRAIN = r'''
+import hashlib, json, os, time, numpy as np, ml_dtypes, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+SHAPES = {"big": ((3000, 4), np.float32), "small": ((7,), np.float32), "half": ((500, 3), ml_dtypes.bfloat16)}
+keys = list(SHAPES)
+kv.init(keys, [np.full(s, 0.5, d) for s, d in SHAPES.values()])       # KVPS_RESUME: replaced by the saved state
+kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.01, rescale_grad=1.0 / kv.num_workers))
+start, stop, save_at = int(os.environ["START"]), int(os.environ["STOP"]), int(os.environ.get("SAVE_AT", "-1"))
+outs = [np.zeros(s, d) for s, d in SHAPES.values()]
+
+def train(start):
+    for step in range(start, stop):
+        if step == save_at:
+            kv.save(os.environ["CKPT"])
+            print(json.dumps({"saved": step}), flush=True)
+            time.sleep(120)             # the test kills the whole job here
+        rng = np.random.default_rng([step, r])
+        kv.push(keys, [rng.standard_normal(s).astype(d) for s, d in SHAPES.values()])
+        kv.pull(keys, out=outs)
+    print(json.dumps({"digest": {k: hashlib.sha256(o.tobytes()).hexdigest() for k, o in zip(keys, outs)}}),
+          flush=True)
+train(start)
+if os.environ.get("AGAIN"):             # then back to another checkpoint, by kv.load, and on from there
+    kv.load(os.environ["AGAIN"])
+    train(int(os.environ["AGAIN_AT"]))
+'''
+
+ENV = {"KVPS_BIGARRAY_BOUND": "1000"}      # big and half are split over every server
+
+
+def _digests(results, runs=1):
+    lines = [line for out in results for line in out if "digest" in line]
+    assert len(lines) == runs * len(results), results
+    return lines
+
+
+def test_resume_with_another_server_count_is_bit_exact(cluster, tmp_path):
+    periodic = tmp_path / "periodic"
+    # the job that never stops (its periodic checkpoints, every 2 steps, must not change a bit)
+    ref = cluster(2, 2, env=dict(ENV, KVPS_CHECKPOINT_DIR=str(periodic), KVPS_CHECKPOINT_EVERY="2"))
+    want = _digests(ref.run_workers(TRAIN, timeout=90, env={"START": "0", "STOP": "6"}))
+    assert want[0] == want[1]
+    manifest = json.loads((periodic / "manifest.json").read_text())
+    # due every 2 steps, taken at a later step when the last one is still being written
+    assert manifest["step"] in (2, 3, 4, 5) and manifest["num_servers"] == 2, manifest
+    assert sorted(p.name for p in periodic.iterdir()) == sorted(["manifest.json"] +
+                                                               [f["file"] for f in manifest["files"]])
+
+    # the job that saves after 3 steps and is killed, every process, with kill -9
+    ckpt = tmp_path / "ckpt"
+    job = cluster(2, 2, env=ENV)
+    job.spawn_workers(TRAIN, env={"START": "0", "STOP": "6", "SAVE_AT": "3", "CKPT": str(ckpt)})
+    wait_for(lambda: all(any("saved" in line for line in job.output(f"W{r}")) for r in range(2)), 60,
+             f"both workers to save\n{job.logs()}")
+    job.close()
+    # resumed on 3 servers (the keys are re-sharded on load), then, in the same job, kv.load of the
+    # periodic checkpoint (saved by 2 servers) and on from its step
+    again = cluster(2, 3, env=dict(ENV, KVPS_RESUME=str(ckpt)))
+    got = _digests(again.run_workers(TRAIN, timeout=90, env={"START": "3", "STOP": "6", "AGAIN": str(periodic),
+                                                            "AGAIN_AT": str(manifest["step"])}), runs=2)
+    assert [g["digest"] for g in got] == [want[0]["digest"]] * 4, (got, want)
+
+
+CORRUPT = r'''
+import json, os, shutil, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init(["w", "v"], [np.ones((3000, 4), np.float32), np.ones(5, np.float32)])
+kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.1))
+kv.push(["w", "v"], [np.ones((3000, 4), np.float32), np.ones(5, np.float32)])
+saved = np.zeros((3000, 4), np.float32)
+kv.pull("w", out=saved)
+base = os.environ["CKPT"]
+kv.save(base)
+manifest = json.load(open(os.path.join(base, "manifest.json")))
+shard = manifest["files"][0]["file"]
+
+def truncate(p):
+    with open(os.path.join(p, shard), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(p, shard)) - 10)
+
+def flip(p):
+    with open(os.path.join(p, shard), "r+b") as f:
+        f.seek(-7, 2); b = f.read(1); f.seek(-7, 2); f.write(bytes([b[0] ^ 0xFF]))
+
+def edit(field, value):
+    def change(p):
+        m = json.load(open(os.path.join(p, "manifest.json")))
+        [k for k in m["keys"] if k["key"] == "w"][0][field] = value
+        json.dump(m, open(os.path.join(p, "manifest.json"), "w"))
+    return change
+
+results = {}
+for name, mutate in [("truncated", truncate), ("checksum", flip),
+                     ("no_manifest", lambda p: os.unlink(os.path.join(p, "manifest.json"))),
+                     ("shape", edit("shape", [3000, 5])), ("dtype", edit("dtype", "float16"))]:
+    path = base + "-" + name
+    shutil.copytree(base, path)
+    mutate(path)
+    try:
+        kv.load(path)
+        results[name] = "loaded"
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}"
+kv.push(["w", "v"], [np.ones((3000, 4), np.float32), np.ones(5, np.float32)])    # the job goes on
+kv.load(base)                                                                     # and loads a whole one
+now = np.zeros((3000, 4), np.float32)
+kv.pull("w", out=now)
+print(json.dumps({"results": results, "shard": shard, "restored": bool((now == saved).all())}), flush=True)
+'''
+
+
+def test_corrupt_or_mismatched_checkpoint_refused(cluster, tmp_path):
+    c = cluster(1, 2, env=ENV)
+    ((line,),) = c.run_workers(CORRUPT, timeout=90, env={"CKPT": str(tmp_path / "ck")})
+    r, shard = line["results"], line["shard"]
+    assert line["restored"], line
+    assert f"ck-truncated/{shard} has" in r["truncated"] and "the manifest says" in r["truncated"], r
+    assert f"ck-checksum/{shard}: tensor" in r["checksum"] and "fails its CRC-32" in r["checksum"], r
+    assert r["no_manifest"].startswith("CheckpointError") and "ck-no_manifest/manifest.json is missing" in \
+        r["no_manifest"], r
+    assert "holds key 'w' as float32 (3000, 5); the job initialised it as float32 (3000, 4)" in r["shape"], r
+    assert "holds key 'w' as float16 (3000, 4); the job initialised it as float32 (3000, 4)" in r["dtype"], r
+
+
+OPT_SAVE = r'''
+import hashlib, json, os, numpy as np, kvps
+kv = kvps.create("dist_sync")
+grads = [np.random.default_rng(i).standard_normal((3000, 4)).astype(np.float32) for i in range(3)]
+w = np.zeros((3000, 4), np.float32)
+if os.environ.get("PHASE") == "save":
+    kv.init("w", np.ones((3000, 4), np.float32))
+    kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.05))
+    for g in grads[:2]:
+        kv.push("w", g); kv.pull("w", out=w)
+    kv.save_optimizer_states(os.environ["STATES"])
+    np.save(os.environ["WEIGHTS"], w, allow_pickle=False)
+else:
+    kv.init("w", np.load(os.environ["WEIGHTS"], allow_pickle=False))   # a model checkpoint's weights
+    kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.05))
+    kv.load_optimizer_states(os.environ["STATES"])
+kv.push("w", grads[2]); kv.pull("w", out=w)
+print(json.dumps({"digest": hashlib.sha256(w.tobytes()).hexdigest()}), flush=True)
+'''
+
+
+def test_mxnet_optimizer_states_in_dist_mode(cluster, tmp_path):
+    env = {"STATES": str(tmp_path / "states"), "WEIGHTS": str(tmp_path / "w.npy")}
+    ((want,),) = cluster(1, 1, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="save"))
+    ((got,),) = cluster(1, 2, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="load"))
+    assert got == want

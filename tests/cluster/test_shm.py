@@ -1,0 +1,171 @@
+"""Shared memory between co-located workers and servers (kvps/wire/shm.py), with real processes:
+the same results as TCP in every call pattern (split keys over 2 servers included), pushes that
+return early still send what was pushed, KVPS_SHM=0 and another host address keep to TCP, a killed
+job leaves nothing behind, and a server refuses segments it must not map and keeps serving.
+
+`KVPS_SHM=0 ./run test -m cluster` runs the whole cluster tier over TCP; on loopback it runs over
+shared memory by default."""
+import json
+import os
+import signal
+
+import pytest
+
+from harness import Cluster
+
+# Big enough to travel through shared memory (kvps/wire/shm.py MIN_BYTES), split over the servers
+# (KVPS_BIGARRAY_BOUND), with small keys beside them that travel inline.
+CALLS = r'''
+import json, os, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r, n = kv.rank, kv.num_workers
+shapes = {"big": (300, 1000), "mid": (20000,), "small": (7,), "half": (5000,)}
+kv.init(list(shapes), [np.zeros(s, np.float32) for s in shapes.values()])
+got = {}
+for step in range(3):
+    grads = {k: np.full(s, (r + 1) * (step + 1), np.float32) for k, s in shapes.items()}
+    for i, k in enumerate(shapes):                       # MXNet's pattern: per-key push, then pull
+        kv.push(k, grads[k], priority=-i)
+        grads[k][...] = -1000.0                          # overwritten at once: must change nothing
+    outs = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    for i, k in enumerate(shapes):
+        kv.pull(k, out=outs[k], priority=-i)
+    got[f"loop{step}"] = {k: float(o.mean()) for k, o in outs.items()}
+    g = [np.full(s, 10.0 * (r + 1), np.float32) for s in shapes.values()]
+    o = [np.zeros(s, np.float32) for s in shapes.values()]
+    kv.pushpull(list(shapes), g, out=o)                  # one call for every key
+    got[f"pushpull{step}"] = {k: [float(x.min()), float(x.max())] for k, x in zip(shapes, o)}
+    h = kv.push(list(shapes), [np.full(s, 1.0, np.float32) for s in shapes.values()], async_op=True)
+    h.wait()
+    o = [np.zeros(s, np.float32) for s in shapes.values()]
+    kv.pull(list(shapes), out=o, async_op=True).wait()
+    got[f"async{step}"] = {k: float(x.mean()) for k, x in zip(shapes, o)}
+stats = kv.server_stats()
+print(json.dumps({"rank": r, "got": got, "shared": sum(s.get("shared", 0) for s in stats.values())}), flush=True)
+kv.close()
+'''
+
+
+def _expected(workers):
+    total = sum(range(1, workers + 1))
+    exp = {}
+    for step in range(3):
+        exp[f"loop{step}"] = total * (step + 1)
+        exp[f"pushpull{step}"] = 10.0 * total
+        exp[f"async{step}"] = workers * 1.0
+    return exp
+
+
+def _check(results, workers):
+    exp = _expected(workers)
+    for (res,) in results:
+        for name, value in exp.items():
+            for key, got in res["got"][name].items():
+                lo, hi = (got, got) if not isinstance(got, list) else got
+                assert lo == hi == value, (res["rank"], name, key, got, value)
+    return results[0][0]["shared"]
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_shared_memory_gives_the_same_results_as_tcp(tmp_path, servers):
+    shared = {}
+    for shm in ("1", "0"):
+        (tmp_path / f"shm{shm}").mkdir()
+        with Cluster(tmp_path / f"shm{shm}", workers=2, servers=servers, env={"KVPS_SHM": shm}) as c:
+            shared[shm] = _check(c.run_workers(CALLS, timeout=120), 2)
+            assert c.wait_daemons() == [0] * (servers + 1)
+    assert shared["1"] > 0, "nothing went through shared memory on one host"
+    assert shared["0"] == 0, "KVPS_SHM=0 still used shared memory"
+
+
+def test_a_worker_on_another_address_keeps_to_tcp(tmp_path):
+    # 127.0.0.2 is this machine too, but for kvps another host: its worker must not share memory
+    # (emulated hosts have their own addresses and the same pid namespace).
+    with Cluster(tmp_path, workers=1, servers=1) as c:
+        (res,), = c.run_workers(CALLS, timeout=120, env={"KVPS_HOST": "127.0.0.2"})
+        assert res["shared"] == 0
+        assert res["got"]["loop0"]["big"] == 1.0
+
+
+HOLD = r'''
+import json, os, sys, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("w", np.zeros(1 << 20, np.float32))
+kv.pushpull("w", np.ones(1 << 20, np.float32), out=np.zeros(1 << 20, np.float32))
+def target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:          # the descriptor listdir itself used
+        return ""
+fds = sorted(t for t in map(target, os.listdir("/proc/self/fd")) if t.startswith("/memfd:kvps-"))
+print(json.dumps({"memfds": fds}), flush=True)
+time.sleep(60)
+'''
+
+
+def test_a_killed_job_leaves_no_segments(tmp_path):
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with Cluster(tmp_path, workers=1, servers=1) as c:
+        (proc,) = c.spawn_workers(HOLD)
+        log = tmp_path / "W0.log"
+        from harness import wait_for
+        wait_for(lambda: log.exists() and "memfds" in log.read_text(), 60, "the worker's segment list")
+        memfds = json.loads(log.read_text().splitlines()[0])["memfds"]
+        assert memfds, "the worker made no memfd segment"
+        for name in ("W0", "S0", "H"):
+            c.proc(name).send_signal(signal.SIGKILL)
+        c.wait([c.proc(n) for n in ("W0", "S0", "H")], 30)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {f for f in after - before if "kvps" in f}, after - before
+
+
+HOSTILE = r'''
+import json, os, numpy as np, kvps
+from kvps.wire.protocol import Header, Op
+kv = kvps.create("dist_sync")
+kv.init("w", np.zeros(1 << 16, np.float32))
+node = kv._node
+def attach(**meta):
+    base = {"pid": os.getpid(), "fd": 0, "segment": 99, "nonce": b"\0" * 16}
+    base.update(meta)
+    try:
+        node.request("S0", Header(Op.ATTACH, meta=base), "hostile attach").wait(10)
+        return "accepted"
+    except Exception as exc:
+        return type(exc).__name__ + ": " + str(exc)
+r = {"other_pid": attach(pid=1), "not_memfd": attach(fd=0), "bad_nonce": None, "unattached": None}
+# a real memfd of ours, with the wrong nonce
+fd = os.memfd_create("kvps-hostile", 0); os.ftruncate(fd, 4096)
+r["bad_nonce"] = attach(fd=fd, nonce=b"\1" * 16)
+try:   # a push that names a segment never attached
+    h = node.request("S0", Header(Op.PUSH, keys=[["w", 0, 0, [1 << 16], 0]], meta={"shm": [[0, 7, 64]]}), "bad push")
+    h.wait(10); r["unattached"] = "accepted"
+except Exception as exc:
+    r["unattached"] = type(exc).__name__ + ": " + str(exc)
+out = np.zeros(1 << 16, np.float32)
+kv.pushpull("w", np.full(1 << 16, 2.0, np.float32), out=out)   # the server still serves, over shm
+r["after"] = float(out.mean())
+try:   # segment 0 is attached now: a region past its end
+    h = node.request("S0", Header(Op.PUSH, keys=[["w", 0, 0, [1 << 16], 0]], meta={"shm": [[0, 0, 1 << 40]]}),
+                     "out-of-bounds push")
+    h.wait(10); r["outside"] = "accepted"
+except Exception as exc:
+    r["outside"] = type(exc).__name__ + ": " + str(exc)
+kv.pushpull("w", np.full(1 << 16, 3.0, np.float32), out=out)
+r["again"] = float(out.mean())
+r["shared"] = sum(s.get("shared", 0) for s in kv.server_stats().values())
+print(json.dumps(r), flush=True)
+kv.close()
+'''
+
+
+def test_a_server_refuses_segments_it_must_not_map(tmp_path):
+    with Cluster(tmp_path, workers=1, servers=1) as c:
+        (res,), = c.run_workers(HOSTILE, timeout=60)
+        assert c.wait_daemons() == [0, 0]
+    assert "registered as pid" in res["other_pid"], res
+    assert "not a kvps memfd" in res["not_memfd"], res
+    assert "nonce" in res["bad_nonce"], res
+    assert "attached" in res["unattached"], res
+    assert "outside segment 0" in res["outside"], res
+    assert res["after"] == 2.0 and res["again"] == 3.0 and res["shared"] > 0, res
