@@ -9,6 +9,7 @@
     kvps experiment --quick                                     # train real models in every mode; report
     kvps simulate sweep --workers 2..1024                       # a calibrated model of a sync step, PS and ring
     kvps fuzz --frames 100000 [--seed S]                        # hostile frames at a job's daemons; report
+    kvps soak --minutes 10                                      # long jobs; each daemon's memory growth per minute
     kvps timeline merge DIR -o trace.json                       # one Chrome trace from KVPS_TIMELINE=DIR
     kvps top HOST:PORT                                          # a live view of a job (its scheduler's metrics)
     kvps keys new DIR -n 2 -s 1                                 # CURVE keys for daemons started by hand
@@ -195,6 +196,9 @@ def parser():
     sub.add_parser("fuzz", add_help=False,
                    help="send hostile frames to a job's daemons; report crashes and memory (kvps/tools/fuzz)")
 
+    sub.add_parser("soak", add_help=False,
+                   help="run jobs for minutes; report each daemon's memory growth per minute (kvps/tools/soak)")
+
     sub.add_parser("timeline", add_help=False, help="merge a KVPS_TIMELINE directory into one Chrome trace")
     sub.add_parser("top", add_help=False, help="a live terminal view of a running job (kvps/tools/top)")
 
@@ -232,6 +236,9 @@ def main(argv=None):
     if argv[:1] == ["fuzz"]:             # and kvps/tools/fuzz
         from kvps.tools.fuzz import main as fuzz_main
         return fuzz_main(argv[1:])
+    if argv[:1] == ["soak"]:             # and kvps/tools/soak
+        from kvps.tools.soak import main as soak_main
+        return soak_main(argv[1:])
     if argv[:1] == ["timeline"]:         # and kvps/tools/timeline
         from kvps.tools.timeline import main as timeline_main
         return timeline_main(argv[1:])

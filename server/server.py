@@ -102,7 +102,7 @@ class Reply:
             for index, (request_entry, array) in enumerate(zip(h.keys, self.results)):
                 array = self._squeeze(index, request_entry, array)
                 view = self.into.get(index)
-                if view is not None and view.nbytes == array.nbytes:
+                if view is not None and index not in self.squeezed and view.nbytes == array.nbytes:
                     np.copyto(view, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
                     entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
                                          array.shape, 0))
@@ -334,6 +334,11 @@ class Server(Node):
             return
         if state is RECOMPUTE:
             handler = Server._pull if header.op == Op.PUSHPULL else self._handlers[header.op]
+            if "into" in header.meta:
+                # Its values travel inline: the worker may have had the first reply and be reading
+                # the next one out of the same shared-memory region already (kvps/wire/shm.py).
+                header = Header(header.op, header.id, header.src, header.keys,
+                                {k: v for k, v in header.meta.items() if k != "into"})
             return handler(self, routing_id, header, payloads, worker)
         self.van.reply(routing_id, state)
 

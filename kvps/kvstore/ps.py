@@ -101,6 +101,8 @@ class DistKVStore(KVStore):
         self._pulled = None              # and their kvps.ps.compression.PullDecoder
         self._copies = {}                # key -> (private copy of its last push, that push's handle)
         self._arenas = {}                # server rank -> shm.Arena shared with it, or None (TCP only)
+        # key -> the handle of this worker's last request naming it, when resends may reorder requests
+        self._last = {} if self._node.requests.resend_after else None
         # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read
         self._ahead = PullAhead() if consistency.wire() == "sync" else None
         self._checkpoints = Checkpointer(self._node, self.cfg, self._keys, self._num_servers, consistency.wire())
@@ -134,9 +136,12 @@ class DistKVStore(KVStore):
         if self._pull_codec is not None and op in (Op.PULL, Op.PUSHPULL):
             for _, header, _, _ in items:
                 header.meta["pull"] = self._pull_codec
+        keys = self._in_order(items) if self._last is not None else ()
         if self._node.telemetry is not None and items:      # the call's latency and timeline events
             items = self._node.telemetry.watch_call(op, items, self._node.name, int(priority))
         handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
+        for key in keys:
+            self._last[key] = handle
         for region in messages.regions:
             region.busy = handle
         handle.then = then
@@ -146,6 +151,21 @@ class DistKVStore(KVStore):
         if async_op is None:             # the caller keeps it (a push that returns early)
             return handle
         return _finish(handle)
+
+    def _in_order(self, items):
+        """With resends on, a lost request is sent again after later ones, so a pull could overtake
+        the push before it (and read the round before it): a request waits until this worker's
+        previous request naming any of its keys is answered. Returns the keys. (Without resends a
+        connection keeps the order and nothing waits.)"""
+        keys = {e.key for _, header, _, _ in items for e in header.keys}
+        for key in keys:
+            earlier = self._last.get(key)
+            if earlier is not None and not earlier.done():
+                try:
+                    earlier.wait()
+                except KVPSError:
+                    pass            # its own call, wait_all() or close() raises it
+        return keys
 
     def _layout(self, key, shape, dtype):
         return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound, np.dtype(dtype).itemsize,
