@@ -39,6 +39,7 @@ from kvps.wire.transport import Van
 log = logging.getLogger("kvps.node")
 
 SCHEDULER = "H"
+MAX_EARLY_PEER = 4096       # ring messages a worker keeps until its ring subscribes (then they are dropped)
 REPLY_OPS = frozenset({Op.ACK, Op.ERROR, Op.MEMBERSHIP, Op.VALUE, Op.STATS})
 
 
@@ -365,11 +366,20 @@ class Worker(Node):
         self.van.bind(advertised_host(cfg), 0)
         self._peer_handlers = ()        # callables(header, payloads); replaced, never changed in place
         self._peers = set()             # the workers this one holds a DEALER to
+        # A neighbour that formed the job first may send its first chunks before this worker has
+        # its membership table or its ring: they wait here (bounded) for the first handler.
+        self._early_peer = []
+        self._peer_lock = threading.Lock()
 
     def on_peer_message(self, handler):
         """Subscribe handler(header, payloads) to the RING messages other workers send this one.
-        It runs on the I/O thread: it must be short and must not block."""
-        self._peer_handlers = (*self._peer_handlers, handler)
+        It runs on the I/O thread (for messages that came before it, once, on this thread): it must
+        be short, must not block and must be thread-safe."""
+        with self._peer_lock:
+            self._peer_handlers = (*self._peer_handlers, handler)
+            early, self._early_peer = self._early_peer, []
+        for header, payloads in early:
+            handler(header, payloads)
 
     def send_to_peer(self, name, header, payloads=(), on_sent=None):
         """Send a message to worker `name`, its payloads without copying. on_sent() runs once zmq no
@@ -404,9 +414,14 @@ class Worker(Node):
             self.van.disconnect(node)
 
     def on_client(self, routing_id, header, payloads):
-        handlers = self._peer_handlers
-        if header.op == Op.RING and handlers:
+        if header.op == Op.RING:
+            with self._peer_lock:
+                handlers = self._peer_handlers
+                if not handlers and len(self._early_peer) < MAX_EARLY_PEER:
+                    self._early_peer.append((header, payloads))
+                    return
             for handler in handlers:
                 handler(header, payloads)
-        else:
-            self.van.complaints(log, logging.WARNING, "%s: unexpected %r dropped", self.name, header)
+            if handlers:
+                return
+        self.van.complaints(log, logging.WARNING, "%s: unexpected %r dropped", self.name, header)

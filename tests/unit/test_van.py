@@ -245,3 +245,21 @@ def test_priority_overtakes_bulk_on_a_busy_link_and_same_key_order_holds():
     assert got.index("b0") < got.index("b0", got.index("b0") + 1)
     plain = arrival_order(0, sends, settle_after=40)     # no schedule: call order, priority ignored
     assert plain == [k for k, _, _ in sends]
+
+
+def test_ring_chunks_that_come_before_the_ring_wait_for_it():
+    # A neighbour that formed the job first may send before this worker's ring subscribes: those
+    # chunks are kept and handed over on subscription, in order, not dropped.
+    from kvps.config import Config
+    from kvps.wire.membership import Worker
+    node = Worker(Config.from_env({"KVPS_SCHEDULER": "127.0.0.1:9", "KVPS_CURVE": "0"}))
+    try:
+        early = [Header(Op.RING, 0, "W1", meta={"seq": 0, "step": i}) for i in range(3)]
+        for header in early:
+            node.on_client(b"id", header, [b"x"])
+        got = []
+        node.on_peer_message(lambda header, payloads: got.append(header.meta["step"]))
+        node.on_client(b"id", Header(Op.RING, 0, "W1", meta={"seq": 0, "step": 3}), [b"x"])
+        assert got == [0, 1, 2, 3]
+    finally:
+        node.van.stop()
