@@ -8,7 +8,7 @@ from harness import run_command
 
 def test_a_short_soak_runs_every_job_and_reports_growth(tmp_path):
     out = tmp_path / "soak.json"
-    proc = run_command([sys.executable, "-m", "kvps.cli", "soak", "--minutes", "0.6", "--sample-every", "1",
+    proc = run_command([sys.executable, "-m", "kvps.cli", "soak", "--minutes", "0.3", "--sample-every", "0.5",
                         "--json", str(out)], cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
