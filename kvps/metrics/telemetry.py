@@ -205,6 +205,14 @@ class Telemetry:
         if self.timeline is not None:
             self.timeline.complete("update", "store", start, end, {"key": str(slot.id[0]), "part": slot.id[1]})
 
+    # ---- kvps.torch: gradient buckets ----
+    def bucket(self, index, ready, handed, synced, args):
+        """Gradient bucket `index` of a DistributedOptimizer: its last gradient ready (the hook) at
+        `ready`, handed to the kvstore at `handed`, its sync seen complete at `synced`."""
+        if self.timeline is not None:
+            self.timeline.complete(f"bucket {index}", "torch", ready, synced,
+                                   dict(args, bucket=index, handed_us=max(0, int((handed - ready) * 1e6))))
+
     # ---- the ring ----
     def ring_phase(self, seq, phase, start, end, nbytes):
         if self.metrics is not None:

@@ -54,9 +54,12 @@ class Progress:
         except ImportError:
             self._bar = False
             return
+        # While the bar shows, rich prints what the command writes to stdout above it, on our stream:
+        # only when stdout is a terminal too, or `kvps experiment > log` would lose its lines from the log.
+        tty_out = getattr(sys.stdout, "isatty", lambda: False)()
         self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
-                                  console=Console(file=self.stream), transient=False)
+                                  console=Console(file=self.stream), transient=False, redirect_stdout=tty_out)
         self._rich.start()
         self._task = self._rich.add_task(self.what, total=self.total, eta="-")
         # used without `with` (a loop that may raise): the bar still ends at exit

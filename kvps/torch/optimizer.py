@@ -1,12 +1,13 @@
 """DistributedOptimizer: a torch optimizer whose gradients are reduced by kvps (sync, allreduce) or
 whose update runs on the servers (async), sent bucket by bucket from backward hooks."""
 import logging
+import time
 
 import torch
 
 from kvps.torch.bucketing import BUCKET_BYTES, buckets
 from kvps.torch.server_optimizer import server_optimizer
-from kvps.torch.session import _SESSION, ASYNC, SUMMING, _type
+from kvps.torch.session import _SESSION, ASYNC, SUMMING, _telemetry, _type
 
 log = logging.getLogger("kvps.torch")
 
@@ -34,6 +35,12 @@ class _Distributed:
         # The ring needs every worker to run the same collectives in the same order: send buckets in
         # bucket order, whatever order their gradients complete in. Servers take keys in any order.
         self._ordered = mode == "allreduce"
+        # KVPS_TIMELINE: each bucket's hook-to-sync time; otherwise None, and the hooks test only that
+        self._telemetry = _telemetry(kv)
+        if self._telemetry is not None:
+            self._bucket_args = [{"keys": [self._keys[i] for i in members][:16], "nkeys": len(members),
+                                  "bytes": sum(self._params[i].numel() * self._params[i].element_size()
+                                               for i in members)} for members in self._buckets]
         self._reset()
         self._skip = False
         if compression is not None:
@@ -69,6 +76,8 @@ class _Distributed:
         self._missing = [len(members) for members in self._buckets]   # gradients each bucket waits for
         self._passes = [0] * len(self._params)
         self._next = 0                                 # the first bucket not sent yet (ordered)
+        if self._telemetry is not None:
+            self._times = [[None, None, None] for _ in self._buckets]    # ready, handed, synced
 
     def _hook(self, index):
         def hook(param):
@@ -81,7 +90,11 @@ class _Distributed:
                 b = self._bucket_of[index]
                 self._missing[b] -= 1
                 if self._missing[b] == 0:
+                    if self._telemetry is not None:
+                        self._times[b][0] = time.time()
                     self._ready(b)
+            if self._telemetry is not None:
+                self._seen_synced()
         return hook
 
     def _ready(self, b):
@@ -95,6 +108,10 @@ class _Distributed:
     def _send(self, b):
         """Send bucket b as one call (one fused collective on the ring; one message per server)."""
         members = self._buckets[b]
+        if self._telemetry is not None:
+            times = self._times[b]
+            times[1] = time.time()
+            times[0] = times[0] or times[1]            # sent by synchronize(): a gradient was missing
         # The first layers, which the next forward pass needs first, rank highest where a kvstore
         # orders requests.
         priority = -min(members)
@@ -127,8 +144,15 @@ class _Distributed:
         for b in range(len(self._buckets)):
             if self._handles[b] is None:
                 self._handles[b] = self._send(b)
+        timed = self._telemetry is not None
         for handle in self._handles:
+            if timed:
+                self._seen_synced()
             handle.wait()
+        if timed:
+            self._seen_synced()
+            for b, (ready, handed, synced) in enumerate(self._times):
+                self._telemetry.bucket(b, ready, handed, synced, self._bucket_args[b])
         self._reset()
         self._kv.wait_all()                            # all done: this only empties the kvstore's list
         with torch.no_grad():
@@ -137,6 +161,14 @@ class _Distributed:
                     torch._foreach_div_([p.grad for p in self._params], float(self._kv.num_workers))
             else:
                 torch._foreach_copy_([p.data for p in self._params], self._fresh)
+
+    def _seen_synced(self):
+        """Timeline: mark the buckets whose sync is now complete (at each hook and each wait of
+        synchronize(), so within one backward hook's interval of the last reply)."""
+        now = None
+        for times, handle in zip(self._times, self._handles):
+            if times[2] is None and handle is not None and handle.done():
+                times[2] = now = now or time.time()
 
     def skip_synchronize(self):
         """with opt.skip_synchronize(): opt.step() -- after an explicit synchronize() (to clip the

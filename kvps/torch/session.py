@@ -50,6 +50,13 @@ class Session:
 _SESSION = Session()   # the one piece of process state: see Session
 
 
+def _telemetry(kv):
+    """The telemetry of kv's node where it writes a timeline (KVPS_TIMELINE), else None: the
+    distributed kvstores have a node (kvps.wire.membership), the local one none."""
+    telemetry = getattr(getattr(kv, "_node", None), "telemetry", None)
+    return telemetry if telemetry is not None and telemetry.timeline is not None else None
+
+
 def _type(mode):
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")

@@ -54,3 +54,48 @@ def test_a_jobs_timeline_merges_into_one_trace_in_causal_order(tmp_path):
     flows = [e for e in events if e["ph"] in ("s", "f")]
     starts = {e["id"] for e in flows if e["ph"] == "s"}
     assert starts and starts <= {e["id"] for e in flows if e["ph"] == "f"}, "every request's flow arrives"
+
+
+TORCH_WORKER = """
+import json, torch, kvps.torch as kt
+torch.manual_seed(0)
+kv = kt.init("sync")
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), bucket_bytes=300)
+x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+for _ in range(3):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+keys = dict(zip(opt._names, opt._keys))
+print(json.dumps({"buckets": [[keys[n] for n in bucket] for bucket in opt.buckets]}), flush=True)
+kv.close()
+"""
+
+
+def test_torch_buckets_hook_to_sync_on_the_timeline(tmp_path):
+    """Each step's gradient bucket is one slice on its worker, from its last gradient's hook to its
+    sync seen complete, around the pushpull call that carried it."""
+    directory = tmp_path / "tl"
+    with Cluster(tmp_path, workers=1, servers=1, env={"KVPS_TIMELINE": str(directory)}) as c:
+        ((line,),) = c.run_workers(TORCH_WORKER, timeout=90)
+        assert c.wait_daemons() == [0, 0], c.logs()
+    out = tmp_path / "trace.json"
+    result = run_command([PY, "-m", "kvps.cli", "timeline", "merge", str(directory), "-o", str(out)], tmp_path, 60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    trace = json.loads(out.read_text())
+    node = {pid: name.split()[0] for pid, name in check_schema(trace).items()}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and node[e["pid"]] == "W0"]
+    buckets = [e for e in events if e["cat"] == "torch"]
+    keys = line["buckets"]
+    assert len(keys) >= 2, keys
+    assert [e["name"] for e in buckets] == [f"bucket {b}" for _ in range(3) for b in range(len(keys))]
+    calls = [e for e in events if e["cat"] == "call" and e["name"] == "pushpull"]
+    for e in buckets:
+        b, args = e["args"]["bucket"], e["args"]
+        assert e["name"] == f"bucket {b}" and args["keys"] == keys[b] and args["nkeys"] == len(keys[b]), e
+        assert args["bytes"] > 0 and 0 <= args["handed_us"] <= e["dur"], e
+        start, end = e["ts"], e["ts"] + e["dur"]
+        carried = [c for c in calls if set(c["args"]["keys"]) == set(keys[b])
+                   and start + args["handed_us"] <= c["ts"] <= c["ts"] + c["dur"] <= end]
+        assert len(carried) == 1, (e, [c for c in calls if set(c["args"]["keys"]) == set(keys[b])])

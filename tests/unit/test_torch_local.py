@@ -274,3 +274,48 @@ def test_store_join_counts_joined_workers_as_zeros():
         store.pull(w, "w", 0, _acks(log, f"pull.{w}"))
     assert [n for n, _ in log[-6:]] == ["epoch2.0", "epoch2.1", "epoch2.2", "pull.0", "pull.1", "pull.2"]
     assert all(list(v) == [3, 3] for _, v in log[-3:])
+
+
+# ---- KVPS_TIMELINE: each bucket's hook-to-sync time (the job's own test: tests/cluster/test_timeline_job.py) ----
+def test_bucket_timeline_costs_an_attribute_test_when_off():
+    import types
+
+    from kvps.torch.session import _telemetry
+    model, kv = ns["make_model"](), kvps.create("local")
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), kvstore=kv)
+    assert opt._telemetry is None and not hasattr(opt, "_times")        # the hooks test `_telemetry` only
+    kv._node = types.SimpleNamespace(telemetry=types.SimpleNamespace(timeline=None))    # metrics on, timeline off
+    assert _telemetry(kv) is None
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+def test_bucket_timeline_events(tmp_path, mode):
+    import json
+    import types
+
+    from kvps.metrics.telemetry import Telemetry
+    kv = kvps.create("local")
+    telemetry = Telemetry(types.SimpleNamespace(metrics_port=None, timeline=str(tmp_path)), "worker", "127.0.0.1")
+    kv._node = types.SimpleNamespace(telemetry=telemetry)       # as a distributed kvstore's node carries it
+    model = ns["Branchy"]()
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), mode=mode,
+                                  bucket_bytes=280, kvstore=kv)
+    for step in range(2):
+        x, y = ns["batch"](step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x, use_extra=False), y).backward()
+        opt.step()
+    telemetry.close()
+    (path,) = tmp_path.iterdir()
+    events = [e for e in map(json.loads, path.read_text().splitlines()) if e.get("cat") == "torch"]
+    assert [e["name"] for e in events] == [f"bucket {b}" for _ in range(2) for b in range(4)]
+    names = dict(model.named_parameters())
+    for e in events:
+        b, args = int(e["name"].split()[1]), e["args"]
+        members = opt.buckets[b]
+        assert e["ph"] == "X" and e["dur"] >= 0 and isinstance(e["ts"], int) and 0 <= args["handed_us"] <= e["dur"]
+        assert args["bucket"] == b and args["nkeys"] == len(members)
+        assert args["keys"] == [opt._keys[opt._names.index(n)] for n in members]
+        assert args["bytes"] == sum(names[n].numel() * 4 for n in members)
+    # buckets 1 and 3 miss a gradient (`extra`, `unused`) and go from step(): handed as they become ready
+    assert events[1]["args"]["handed_us"] == 0 and events[3]["args"]["handed_us"] == 0

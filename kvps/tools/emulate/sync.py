@@ -35,6 +35,7 @@ from kvps.tools.emulate.baselines import EmulatedGlooJob, EmulatedMXNetJob
 from kvps.tools.emulate.job import EmulatedJob
 from kvps.tools.emulate.network import Network, show_rate
 from kvps.tools.emulate.theory import theory
+from kvps.tools.progress import Progress
 
 SYSTEMS = ("ps", "mxnet", "ring", "gloo")          # also the run order within one W (see setups())
 LABELS = {"ps": "kvps PS", "mxnet": "MXNet dist_sync", "ring": "kvps ring", "gloo": "gloo all-reduce"}
@@ -292,19 +293,22 @@ class Benchmark:
                 with open(plans[kvtype], "w") as f:
                     extra = {"compression": self.compression} if self.compression and kvtype == "dist_sync" else {}
                     json.dump(dict(self.plan, kvtype=kvtype, **extra), f)
-            for setup in self.todo:
-                start = time.monotonic()
-                try:
-                    rows = run_setup(setup, args, plans[KVTYPE[setup.system]])
-                except (NodeFailure, KVTimeoutError) as exc:
-                    timed_out |= isinstance(exc, KVTimeoutError)
-                    results[setup] = {"rows": {}, "error": str(exc)}
-                    print(f"kvps emulate: {_name(setup)} failed: {exc}", file=sys.stderr, flush=True)
-                    continue
-                results[setup] = {"rows": rows, "error": None}
-                took = " / ".join(f"{rows[m]['ms']:.0f}" for m in MODES[setup.system])
-                print(f"[emulate] {_name(setup)}: {took} ms ({' / '.join(MODES[setup.system])}) "
-                      f"in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            with Progress(len(self.todo), "jobs") as progress:     # a bar with an ETA on a terminal
+                for setup in self.todo:
+                    start = time.monotonic()
+                    try:
+                        rows = run_setup(setup, args, plans[KVTYPE[setup.system]])
+                    except (NodeFailure, KVTimeoutError) as exc:
+                        timed_out |= isinstance(exc, KVTimeoutError)
+                        results[setup] = {"rows": {}, "error": str(exc)}
+                        print(f"kvps emulate: {_name(setup)} failed: {exc}", file=sys.stderr, flush=True)
+                        progress.advance(f"{_name(setup)}: failed")
+                        continue
+                    results[setup] = {"rows": rows, "error": None}
+                    took = " / ".join(f"{rows[m]['ms']:.0f}" for m in MODES[setup.system])
+                    print(f"[emulate] {_name(setup)}: {took} ms ({' / '.join(MODES[setup.system])}) "
+                          f"in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+                    progress.advance(f"{_name(setup)}: ok")
         share = others.share()
         print("\n" + "\n".join(table(results, self.M, rate)))
         print(f"\nmeasured: median step; bound: the busiest link direction at full rate (docs/emulate.md); "

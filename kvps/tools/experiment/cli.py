@@ -26,6 +26,7 @@ import kvps
 from kvps.tools.experiment import findings as findings_mod
 from kvps.tools.experiment import presets, report, runner
 from kvps.tools.experiment.metrics import cells, show, summarize
+from kvps.tools.progress import Progress
 
 OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
 DEFAULT_DELAY = 0.005      # seconds: the straggler's delay when no straggler-free run gave a step time
@@ -197,6 +198,7 @@ def _run_all(specs, results, args, preset, repeats=1, seed=0):
     delays = {}
     total = len(specs) * repeats
     todo = [(r, spec) for r in range(repeats) for spec in specs]
+    progress = Progress(total, "runs")     # on stderr: a bar with an ETA on a terminal, else plain lines
     try:
         for i, (repeat, spec) in enumerate(todo, 1):
             delay = 0.0
@@ -222,10 +224,12 @@ def _run_all(specs, results, args, preset, repeats=1, seed=0):
                 result["id"] = f"{spec.id}/r{repeat}"
             results["runs"].append(result)
             _say_done(result, results["targets"][spec.workload])
+            progress.advance(f"{result['id']}: {result['status']}")
     except KeyboardInterrupt:
         print("[experiment] interrupted; writing what has finished", flush=True)
         return INTERRUPTED
     finally:
+        progress.close()
         results["wall_s"] = round(time.monotonic() - start, 1)
     return OK
 
