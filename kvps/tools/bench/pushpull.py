@@ -74,6 +74,9 @@ def parser():
     p.add_argument("--curve", action="store_true",
                    help="also run kvps with KVPS_CURVE=1 (CurveZMQ on every link; with --tcp, over TCP too) in "
                         "the same run, and report its cost (docs/security.md)")
+    p.add_argument("--metrics", action="store_true",
+                   help="also run kvps with KVPS_METRICS_PORT=0 (every node serves Prometheus metrics) in the same "
+                        "run, and report their cost (docs/observability.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's output to stderr")
     return p
 
@@ -327,12 +330,22 @@ def transport_report(shm_rows, tcp_rows):
 
 def curve_report(label, plain_rows, curve_rows):
     """kvps with CurveZMQ (KVPS_CURVE=1) against the same kvps without, row by row."""
-    curve = {(r["workload"], r["bytes"], r["mode"]): r for r in curve_rows}
-    lines = [f"CurveZMQ cost ({label}): the same job with KVPS_CURVE=1, in the same run; ratio = CURVE / "
-             f"plain (the target for a ResNet-50 step: at most 1.15).", "",
-             "| workload | kvps call | plain ms | CURVE ms | ratio |", "|---|---|--:|--:|--:|"]
+    return cost_report(f"CurveZMQ cost ({label}): the same job with KVPS_CURVE=1, in the same run; ratio = CURVE / "
+                       f"plain (the target for a ResNet-50 step: at most 1.15).", "CURVE", plain_rows, curve_rows)
+
+
+def metrics_report(plain_rows, metrics_rows):
+    """kvps serving Prometheus metrics (KVPS_METRICS_PORT=0) against the same kvps without."""
+    return cost_report("Metrics cost: the same job with KVPS_METRICS_PORT=0 (every node serves /metrics), in the "
+                       "same run; ratio = metrics / plain (target: at most 1.03).", "metrics", plain_rows, metrics_rows)
+
+
+def cost_report(title, column, plain_rows, other_rows):
+    """A table of `other_rows` (the same jobs with one feature on) against `plain_rows`, row by row."""
+    other = {(r["workload"], r["bytes"], r["mode"]): r for r in other_rows}
+    lines = [title, "", f"| workload | kvps call | plain ms | {column} ms | ratio |", "|---|---|--:|--:|--:|"]
     for r in plain_rows:
-        c = curve.get((r["workload"], r["bytes"], r["mode"]))
+        c = other.get((r["workload"], r["bytes"], r["mode"]))
         if c is not None:
             lines.append(f"| {_label(r)} | {r['mode']} | {_ms(r['ms'])} | {_ms(c['ms'])} | {c['ms'] / r['ms']:.2f} |")
     return "\n".join(lines)
@@ -351,9 +364,10 @@ def measure(args, plan, tmp):
     plan_path = os.path.join(tmp, "plan.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)
-    runs = {"kvps": [], "MXNet": [], "kvps TCP": [], "kvps CURVE": [], "kvps TCP CURVE": []}
+    runs = {"kvps": [], "MXNet": [], "kvps TCP": [], "kvps CURVE": [], "kvps TCP CURVE": [], "kvps metrics": []}
     kvps = ("kvps",) + (("kvps TCP",) if args.tcp else ())
-    systems = kvps + (tuple(f"{k} CURVE" for k in kvps) if args.curve else ()) + (("MXNet",) if args.mxnet else ())
+    systems = kvps + (tuple(f"{k} CURVE" for k in kvps) if args.curve else ()) + \
+        (("kvps metrics",) if args.metrics else ()) + (("MXNet",) if args.mxnet else ())
     progress = Progress(args.repeat * len(systems), "benchmark jobs")     # a bar with an ETA on a terminal
     for i in range(args.repeat):
         # Alternating the systems spreads a shared machine's slow spells over both.
@@ -365,7 +379,8 @@ def measure(args, plan, tmp):
                 rows = run_mxnet(args, plan_path, tmp)
             else:
                 rows = run_kvps(args, plan_path, dict({"KVPS_SHM": "0"} if "TCP" in system else {},
-                                                      **({"KVPS_CURVE": "1"} if "CURVE" in system else {})))
+                                                      **({"KVPS_CURVE": "1"} if "CURVE" in system else {}),
+                                                      **({"KVPS_METRICS_PORT": "0"} if "metrics" in system else {})))
             _say(f"{system} job done in {time.monotonic() - t:.1f} s")
             lost = missing(plan, rows)
             if lost:
@@ -406,6 +421,8 @@ def main(argv=None):
     for plain in ("kvps", "kvps TCP") if args.curve else ():
         if runs[plain]:
             print("\n" + curve_report(plain, median_run(runs[plain]), median_run(runs[f"{plain} CURVE"])), flush=True)
+    if args.metrics:
+        print("\n" + metrics_report(kvps_rows, median_run(runs["kvps metrics"])), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "kvps bench pushpull " + shlex.join(argv), "workers": args.workers,
