@@ -4,27 +4,34 @@ ring all-reduce, as discrete-event simulations over measured costs.
     predict(Setup("ps", workers=4, servers=2, rate=1e9, transport="veth"), tensors("resnet50"), costs)
     # {"step_s": 1.63, "comm_s": 1.63, "events": 5321, "busiest": "S0.down", ...}
 
-What each message does (parameter server; bytes b, wire time w = compression * b / (rate * link_efficiency)):
+What each message does (parameter server; bytes b, wire time w = compression * b / (rate * efficiency),
+the efficiency of a link that k hosts send into at once being costs.efficiency(k): W for a
+server's downlink, S for a worker's):
 
     worker CPU (o + c*b) -> worker uplink (w) -> latency -> server downlink (W*w: every worker's copy)
     -> server CPU (W*(o + c*b + b/sum)) -> [round complete] -> server CPU (W*(o + c*b)) -> server
     uplink (W*w) -> latency -> worker downlink (w) -> worker CPU (o + c*b)
 
 with "pushpull" (one call for the whole list: a message's reply leaves as soon as its round is
-complete) or "push+pull" (a push and then a pull per key, as MXNet scripts call it: messages
-carry one key's pieces, a push is acknowledged, and its pull, a request of its own, is answered
-once that key's round is complete).
-o and c come from the transport (costs.py). Gradients are cut as kvps cuts them: a tensor of at
-least split_bytes (or one bigger than partition_bytes) into whole rounds of the S servers, pieces
-of at most partition_bytes, smaller tensors to the servers in turn; each worker merges the pieces
-for one server that are ready together into messages of at most message_bytes. With priority,
-queues serve the first layers first; without, the order the gradients became ready.
+complete) or "push+pull" (a push call per key, then a pull call per key, as MXNet scripts call
+it: messages carry one key's pieces; kvps's pull-ahead sends each push as a PUSHPULL, so a pull
+takes the reply its push brought and adds no message). o and c come from the transport
+(costs.py). Every kvstore call also costs the worker per_call_s for each key it names, on its
+calling thread, one call after another: one call naming every key per step with pushpull, a
+call of one key each way per key with push+pull (a push's messages leave when its call returns;
+a pull returns per_call_s after the previous pull and its key's replies).
+Gradients are cut as kvps cuts them: a tensor of at least split_bytes (or one bigger than
+partition_bytes) into whole rounds of the S servers, pieces of at most partition_bytes, smaller
+tensors to the servers in turn; each worker merges the pieces for one server that are ready
+together into messages of at most message_bytes. With priority, queues serve the first layers
+first; without, the order the gradients became ready.
 
 The ring (reduce-scatter, then all-gather): tensors are fused into buckets of at most
-fusion_bytes in the order they become ready; each bucket's W segments travel in pieces of at
-most chunk_bytes;
-a piece takes 2(W-1) steps of CPU send -> uplink -> latency -> downlink -> CPU receive (plus the
-sum in the reduce-scatter half).
+fusion_bytes in the order they become ready and all-reduced one after another, as the ring
+kvstore does (a copy into the bucket's buffer first, and at the end a copy of every result out
+of them, at copy_bytes_per_s); each bucket's W segments travel in pieces of at most chunk_bytes;
+a piece takes 2(W-1) steps of CPU send -> uplink -> latency -> CPU receive (plus the sum in the
+reduce-scatter half): the downlink, by symmetry, carries the neighbour's piece at the same time.
 
 Workers are identical, so the simulation follows one of them and puts W copies of its load on
 each shared resource at once (exact for symmetric workers with FIFO queues; the step ends when the
@@ -34,15 +41,18 @@ CPU work queues for those C cores: a server's stage takes one, the W workers' co
 spread over min(W, C).
 
 Assumptions (docs/simulate.md says where they stop holding): links are full duplex at a fixed
-rate (with burst_bytes, behind a token bucket as tc's tbf puts them) with an infinite switch buffer (no incast loss, no congestion control, no TCP slow start),
-every worker is as fast as every other (no stragglers), keys spread evenly, a server applies a
-round as soon as it has every push, compute is a fixed time with gradients ready linearly over
-the backward pass (the last layer first).
+rate (with burst_bytes, behind a token bucket as tc's tbf puts them) with an infinite switch
+buffer (incast costs only the measured fan-in efficiency: no loss bursts, no congestion control,
+no TCP slow start), every worker is as fast as every other (no stragglers), keys spread evenly,
+a server applies a round as soon as it has every push, compute is a fixed time with gradients
+ready linearly over the backward pass (the last layer first), a kvstore call's cost grows
+linearly with the processes beyond the shared cores (per_call_crowded_s).
 """
 import dataclasses
 import math
 
 from kvps.errors import ConfigError
+from kvps.ps.sharding import stable_hash
 
 from kvps.tools.simulate.engine import Resource, Simulator, TokenBucketLink
 
@@ -67,6 +77,7 @@ class Setup:
     chunk_bytes: int = 4 * MB     # ring: a segment travels in pieces of at most this (KVPS_RING_CHUNK_BYTES)
     compute_s: float = 0.0        # forward + backward seconds of one worker's step
     burst_bytes: int = None       # a token bucket on every link direction (tbf, as `kvps emulate` sets one)
+    key0: int = None              # tensor i is key key0 + i, placed by its hash as kvps does (None: in turn)
 
     def check(self):
         """Raises ConfigError naming a value that describes no job."""
@@ -98,15 +109,18 @@ def ready_times(tensors, compute_s):
     return out
 
 
-def shard(tensors, servers, split_bytes, partition_bytes):
-    """[(tensor index, server, bytes)]: how kvps spreads the tensors over the servers."""
+def shard(tensors, servers, split_bytes, partition_bytes, key0=None):
+    """[(tensor index, server, bytes)]: how kvps spreads the tensors over the servers. With key0,
+    tensor i is key key0 + i and its first part goes where kvps puts it (kvps/ps/sharding.py:
+    stable_hash(key) % servers); without, small tensors go to the servers in turn."""
     pieces, turn = [], 0
     for i, b in enumerate(tensors):
+        first = turn if key0 is None else stable_hash(key0 + i)
         if b > partition_bytes or (servers > 1 and b >= split_bytes):
             n = servers * math.ceil(b / (servers * partition_bytes))
-            pieces += [(i, k % servers, b / n) for k in range(n)]
+            pieces += [(i, (first + k) % servers if key0 is not None else k % servers, b / n) for k in range(n)]
         else:
-            pieces.append((i, turn % servers, float(b)))
+            pieces.append((i, first % servers, float(b)))
             turn += 1
     return pieces
 
@@ -148,73 +162,142 @@ def predict(setup, tensors, costs):
     t = costs.transport(setup.transport)
     sim = Simulator()
     pool = Resource(sim, "cpus", capacity=costs.host_cores) if costs.host_cores else None
-    if setup.system == "ring":
-        done, resources = _ring(sim, setup, tensors, costs, t, pool)
-    else:
-        done, resources = _ps(sim, setup, tensors, costs, t, pool)
+    build = _ring if setup.system == "ring" else _ps
+    links, t0 = {}, 0.0
+    if setup.burst_bytes and setup.rate:
+        # Steps run back to back, so a token bucket starts a step with what it refilled since the
+        # last one, not full: simulate a step before the one that is timed, on the same links.
+        done, _ = build(sim, setup, tensors, costs, t, pool, links, 0.0)
+        t0 = max([sim.run(), setup.compute_s] + done)
+        for r in list(links.values()) + ([pool] if pool else []):
+            r.busy_s = 0.0
+    done, resources = build(sim, setup, tensors, costs, t, pool, links, t0)
     end = sim.run()
-    step = max([end, setup.compute_s] + done)
+    step = max([end, t0 + setup.compute_s] + done) - t0
     busiest = max(resources, key=lambda r: r.busy_s) if resources else None
     return {"step_s": step, "comm_s": step - setup.compute_s, "events": sim.events,
             "busiest": busiest.name if busiest else None, "busiest_s": busiest.busy_s if busiest else 0.0}
 
 
-def _link(sim, name, setup, costs):
-    """A link direction: with burst_bytes, behind a token bucket of that many bytes."""
-    if setup.burst_bytes and setup.rate:
-        return TokenBucketLink(sim, name, 8.0 * setup.burst_bytes / (setup.rate * costs.link_efficiency))
-    return Resource(sim, name)
+def call_s(setup, costs):
+    """A kvstore call's cost per key it names: per_call_s, plus per_call_crowded_s for each busy
+    process (the workers, and the servers) beyond host_cores where all of them share those cores."""
+    busy = setup.workers + (setup.servers if setup.system == "ps" else 0)
+    crowd = max(0, busy - costs.host_cores) if costs.host_cores else 0
+    return costs.per_call_s + costs.per_call_crowded_s * crowd
 
 
-def _wire(setup, costs):
+def _link(sim, name, setup, costs, links):
+    """A link direction: with burst_bytes, behind a token bucket of that many bytes. One per name
+    in `links`, kept across steps."""
+    if name not in links:
+        links[name] = (TokenBucketLink(sim, name, 8.0 * setup.burst_bytes / (setup.rate * costs.link_efficiency))
+                       if setup.burst_bytes and setup.rate else Resource(sim, name))
+    return links[name]
+
+
+def _wire(setup, costs, senders=1):
+    """Seconds on a link that `senders` hosts send into at once, for b gradient bytes."""
     if setup.rate is None:
         return lambda b: 0.0
-    per_byte = 8.0 * setup.compression / (setup.rate * costs.link_efficiency)
+    per_byte = 8.0 * setup.compression / (setup.rate * costs.efficiency(senders))
     return lambda b: b * per_byte
 
 
-def _ps(sim, setup, tensors, costs, t, pool):
+def _ps(sim, setup, tensors, costs, t, pool, links, t0):
     W, S = setup.workers, setup.servers
     wire, L = _wire(setup, costs), costs.latency_s
+    wire_in_s, wire_in_w = _wire(setup, costs, W), _wire(setup, costs, S)    # a server's and a worker's downlink
     summ = 0.0 if math.isinf(costs.sum_bytes_per_s) else 1.0 / costs.sum_bytes_per_s
 
     def cpu(b):
         return t.per_message_s + t.per_byte_s * b
 
     wcpu = _CPU(sim, "W.cpu", pool)
-    wup, wdown = _link(sim, "W.up", setup, costs), _link(sim, "W.down", setup, costs)
+    wup, wdown = _link(sim, "W.up", setup, costs, links), _link(sim, "W.down", setup, costs, links)
     scpu = [_CPU(sim, f"S{s}.cpu", pool) for s in range(S)]
-    sup = [_link(sim, f"S{s}.up", setup, costs) for s in range(S)]
-    sdown = [_link(sim, f"S{s}.down", setup, costs) for s in range(S)]
-    ready = ready_times(tensors, setup.compute_s)
-    msgs = messages(shard(tensors, S, setup.split_bytes, setup.partition_bytes), ready, setup.message_bytes,
+    sup = [_link(sim, f"S{s}.up", setup, costs, links) for s in range(S)]
+    sdown = [_link(sim, f"S{s}.down", setup, costs, links) for s in range(S)]
+    ready = [t0 + r for r in ready_times(tensors, setup.compute_s)]
+    msgs = messages(shard(tensors, S, setup.split_bytes, setup.partition_bytes, setup.key0), ready, setup.message_bytes,
                     setup.priority, per_key=setup.mode == "push+pull")
     finished = []
+    call = call_s(setup, costs)                   # per key a call names
+    calls = [wcpu.stage(call, W)] if call > 0 else []
+    whole = [wcpu.stage(call * len(tensors), W)] if call > 0 else []
 
-    def reply(m, start):
+    def reply(m, start, then=finished.append):
         prio, _, s, b = m
-        sim.chain([scpu[s].stage(W * cpu(b)), (sup[s], W * wire(b)), (None, L), (wdown, wire(b)),
-                   wcpu.stage(cpu(b), W)], finished.append, start=start, priority=prio)
+        sim.chain([scpu[s].stage(W * cpu(b)), (sup[s], W * wire(b)), (None, L), (wdown, wire_in_w(b)),
+                   wcpu.stage(cpu(b), W)], then, start=start, priority=prio)
 
-    def pushed(m, t0):
-        if setup.mode == "pushpull":
-            reply(m, t0)
-            return
-        prio, _, s, _ = m
-        # the acknowledgement, then this key's pull request; the reply waits for the round (done here)
-        sim.chain([scpu[s].stage(W * t.per_message_s), (None, L), wcpu.stage(t.per_message_s, W),
-                   wcpu.stage(t.per_message_s, W), (None, L), scpu[s].stage(W * t.per_message_s)],
-                  lambda t2: reply(m, t2), start=t0, priority=prio)
+    def push(m, start, then=finished.append):
+        prio, _, s, b = m
+        sim.chain([wcpu.stage(cpu(b), W), (wup, wire(b)), (None, L), (sdown[s], W * wire_in_s(b)),
+                   scpu[s].stage(W * (cpu(b) + b * summ))], lambda t0: reply(m, t0, then), start=start,
+                  priority=prio)
 
-    for m in msgs:
-        prio, r, s, b = m
-        sim.chain([wcpu.stage(cpu(b), W), (wup, wire(b)), (None, L), (sdown[s], W * wire(b)),
-                   scpu[s].stage(W * (cpu(b) + b * summ))], lambda t0, m=m: pushed(m, t0), start=r, priority=prio)
+    if setup.mode == "pushpull":
+        # one call naming every key: its cost is paid before the first message leaves
+        first = min((r for _, r, _, _ in msgs), default=t0)
+        sim.chain(whole, lambda t: [push(m, max(m[1], t)) for m in msgs], start=first)
+    else:
+        _per_key_calls(sim, setup, msgs, len(tensors), ready, calls, push, finished, t0)
     cpus = list({id(c.resource): c.resource for c in [wcpu] + scpu}.values())
     return finished, [wup, wdown] + sup + sdown + cpus
 
 
-def _ring(sim, setup, tensors, costs, t, pool):
+def _per_key_calls(sim, setup, msgs, n, ready, calls, push, finished, t0):
+    """push+pull as kvps runs it in dist_sync: a push call per key, one after another, each as its
+    gradient is ready (earliest first), its messages leaving when the call returns; then a pull
+    call per key in key order, each once the previous pull is done and its key's replies are in.
+    Pull-ahead (kvps/kvstore/pull_ahead.py) sends each push as a PUSHPULL whose replies the pull
+    takes, so the wire carries per-key pushpull messages: no acknowledgement, no pull request."""
+    key = (lambda prio: prio) if setup.priority else (lambda prio: -prio)
+    by_key = [[] for _ in range(n)]
+    for m in msgs:
+        by_key[key(m[0])].append(m)
+    left = [len(ms) for ms in by_key]
+    replied = [None] * n
+    pulls = {"next": 0, "free": None, "busy": False}      # free: when the pulls may go on (after the pushes)
+
+    def arrived(i, t):
+        left[i] -= 1
+        if not left[i]:
+            replied[i] = t
+            pull()
+
+    def pull():
+        j = pulls["next"]
+        if pulls["busy"] or pulls["free"] is None or j == n or replied[j] is None:
+            return
+        pulls["busy"] = True
+
+        def done(t):
+            finished.append(t)
+            pulls.update(next=j + 1, free=t, busy=False)
+            pull()
+        sim.chain(calls, done, start=max(pulls["free"], replied[j]), priority=j if setup.priority else 0)
+
+    order = sorted(range(n), key=lambda i: (ready[i], i))
+
+    def push_call(k, t):
+        if k == n:
+            pulls["free"] = t
+            pull()
+            return
+        i = order[k]
+
+        def called(t2):
+            for m in by_key[i]:
+                push(m, t2, lambda t3, i=i: arrived(i, t3))
+            push_call(k + 1, t2)
+        sim.chain(calls, called, start=max(t, ready[i]), priority=i if setup.priority else 0)
+
+    push_call(0, t0)
+
+
+def _ring(sim, setup, tensors, costs, t, pool, links, t0):
     W = setup.workers
     finished = []
     if W == 1:
@@ -222,8 +305,8 @@ def _ring(sim, setup, tensors, costs, t, pool):
     wire, L = _wire(setup, costs), costs.latency_s
     summ = 0.0 if math.isinf(costs.sum_bytes_per_s) else 1.0 / costs.sum_bytes_per_s
     cpu = _CPU(sim, "N.cpu", pool)
-    up, down = _link(sim, "N.up", setup, costs), _link(sim, "N.down", setup, costs)
-    ready = ready_times(tensors, setup.compute_s)
+    up = _link(sim, "N.up", setup, costs, links)
+    ready = [t0 + r for r in ready_times(tensors, setup.compute_s)]
     buckets, size, when = [], 0, 0.0
     for i in range(len(tensors) - 1, -1, -1):    # fused in the order the backward pass makes them
         if size and size + tensors[i] > setup.fusion_bytes:
@@ -234,19 +317,41 @@ def _ring(sim, setup, tensors, costs, t, pool):
     if size:
         buckets.append((size, when))
     steps = 2 * (W - 1)
+    copy = 0.0 if math.isinf(costs.copy_bytes_per_s) else 1.0 / costs.copy_bytes_per_s
+    plan = [(j, b, r, max(1, math.ceil(b / W / setup.chunk_bytes))) for j, (b, r) in enumerate(buckets)]
 
-    def hop(q, k, prio, start):
+    def hop(q, k, prio, start, done):
         if k == steps:
-            finished.append(start)
+            done(start)
             return
         reduce = q * summ if k < W - 1 else 0.0
-        sim.chain([cpu.stage(t.per_message_s + t.per_byte_s * q, W), (up, wire(q)), (None, L), (down, wire(q)),
+        # The downlink carries the left neighbour's pieces at the moments the uplink carries this
+        # node's (symmetry), and a piece's packets cut through the switch: a hop is one link stage.
+        sim.chain([cpu.stage(t.per_message_s + t.per_byte_s * q, W), (up, wire(q)), (None, L),
                    cpu.stage(t.per_message_s + t.per_byte_s * q + reduce, W)],
-                  lambda t2: hop(q, k + 1, prio, t2), start=start, priority=prio)
+                  lambda t2: hop(q, k + 1, prio, t2, done), start=start, priority=prio)
 
-    for j, (b, r) in enumerate(buckets):
-        n = max(1, math.ceil(b / W / setup.chunk_bytes))
-        q = b / W / n
-        for _ in range(n):
-            hop(q, 0, j if setup.priority else 0, r)
-    return finished, [up, down, cpu.resource]
+    def bucket(i, t0):
+        """The kvstore all-reduces its buckets one after another: bucket i is copied into its fusion
+        buffer once bucket i-1 is done (and its gradients are ready); after the last, every result
+        is copied out of the buffers."""
+        if i == len(plan):
+            sim.chain([cpu.stage(sum(tensors) * copy, W)] if copy else [], finished.append, start=t0)
+            return
+        j, b, r, n = plan[i]
+        prio = j if setup.priority else 0
+        left = [n]
+
+        def chunk_done(t2):
+            left[0] -= 1
+            if not left[0]:
+                bucket(i + 1, t2)
+        sim.chain([cpu.stage(b * copy, W)] if copy else [],
+                  lambda t1: [hop(b / W / n, 0, prio, t1, chunk_done) for _ in range(n)],
+                  start=max(r, t0), priority=prio)
+
+    # one pushpull call naming every key: its cost is paid before the first bucket leaves
+    call = call_s(setup, costs) * len(tensors)
+    sim.chain([cpu.stage(call, W)] if call > 0 else [], lambda t0: bucket(0, t0),
+              start=min((r for _, r in buckets), default=t0))
+    return finished, [up, cpu.resource]

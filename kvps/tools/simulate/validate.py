@@ -57,8 +57,9 @@ def emulated_burst(rate_bits):
 
 
 def predicted(system, W, S, rate_bits, model, mode, costs):
+    from kvps.tools.bench.workloads import RESNET_KEY0
     setup = Setup(system, W, S if system == "ps" else 1, rate=rate_bits, transport="veth", mode=mode,
-                  burst_bytes=emulated_burst(rate_bits))
+                  burst_bytes=emulated_burst(rate_bits), key0=RESNET_KEY0)     # the plan's keys, placed as kvps does
     return predict(setup, tensors(model), costs)["step_s"]
 
 
