@@ -177,21 +177,21 @@ class DistKVStore(KVStore):
         more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
         return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
 
-    def _with_values(self, items, codec=None, shared=(), replies=False):
+    def _with_values(self, items, codec=None, shared=None, replies=False):
         """Messages carrying each array's parts; with a codec, float32 parts go compressed. The keys
-        in `shared` (see _shareable) are copied into their push regions of shared memory instead;
+        in `shared` ({key: push regions}, see _shareable) are copied into those regions instead;
         `replies`: ask for each part's value in its reply region where one is free (PUSHPULL)."""
         messages = Messages(self.cfg.message_bytes, {"codec": codec} if codec else {})
         for info, array in items:
             flat = array.reshape(-1)
             code = dtype_code(info.dtype)
             squeeze = codec is not None and info.dtype == np.float32
-            share = info.key in shared
-            for part in info.parts:
+            regions = shared.get(info.key) if shared else None
+            for i, part in enumerate(info.parts):
                 seg = flat[part.start:part.stop]
                 into = self._region(part.server, info, part, "reply") if replies else None
-                if share:
-                    region = self._region(part.server, info, part, "push")
+                if regions is not None:
+                    region = regions[i]
                     np.copyto(region.array(info.dtype, seg.size), seg)
                     messages.add(part.server, Entry(info.key, part.index, code, part.shape(info.shape), 0), None,
                                  seg.nbytes, shm=region, into=into)
@@ -237,11 +237,16 @@ class DistKVStore(KVStore):
         return None if arena is None else arena.region((info.key, part.index, direction), nbytes)
 
     def _shareable(self, items, codec):
-        """The keys of [(info, array)] whose every part can go through shared memory now."""
+        """{key: its parts' push regions} for the keys of [(info, array)] whose every part can go
+        through shared memory now."""
         if codec is not None or not self.cfg.shm:
-            return ()
-        return {info.key for info, _ in items
-                if all(self._region(part.server, info, part, "push") is not None for part in info.parts)}
+            return {}
+        shared = {}
+        for info, _ in items:
+            regions = [self._region(part.server, info, part, "push") for part in info.parts]
+            if all(r is not None for r in regions):
+                shared[info.key] = regions
+        return shared
 
     def _close_arenas(self):
         for arena in self._arenas.values():

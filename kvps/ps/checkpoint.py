@@ -29,6 +29,7 @@ fsynced. Shard names carry a fresh save id, so a save never overwrites a file th
 names; the manifest is replaced last, in one rename. Until then the directory still holds the
 previous whole checkpoint (or no manifest at all, which load refuses), never a mix.
 """
+import contextlib
 import json
 import os
 import re
@@ -45,7 +46,6 @@ KIND = "kvps-checkpoint"
 SHARD = re.compile(r"[A-Za-z0-9_-]{1,64}\.S\d{1,6}\.safetensors")
 MAX_HEADER_BYTES = 256 << 20     # a shard's JSON header (about 300 bytes per slot)
 MAX_MANIFEST_BYTES = 256 << 20
-CHUNK = 64 << 20                 # bytes per write() of a small file: bounded syscalls
 PIECE = 1 << 20                  # bytes checksummed then written (or read) at a time: in cache
 
 # numpy dtype name <-> safetensors dtype
@@ -93,22 +93,15 @@ def _fsync_dir(directory):
         os.close(fd)
 
 
-def _atomic_write(directory, name, chunks):
-    """Write the byte chunks to directory/name: a temporary file, fsync, rename, fsync of the
-    directory. Returns the bytes written. A crash leaves at most a *.tmp file behind."""
+@contextlib.contextmanager
+def _atomic(directory, name):
+    """A descriptor for directory/name, written atomically: a temporary file, fsync, rename, fsync
+    of the directory. A crash (or an exception in the block) leaves at most a *.tmp file behind."""
     final = os.path.join(directory, name)
     tmp = f"{final}.{os.getpid()}.tmp"
-    total = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for chunk in chunks:
-            view = memoryview(chunk)
-            for start in range(0, view.nbytes, CHUNK):
-                piece = view[start:start + CHUNK]
-                while piece.nbytes:
-                    written = os.write(fd, piece)
-                    piece = piece[written:]
-            total += view.nbytes
+        yield fd
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -117,6 +110,16 @@ def _atomic_write(directory, name, chunks):
     os.close(fd)
     os.replace(tmp, final)
     _fsync_dir(directory)
+
+
+def _atomic_write(directory, name, chunks):
+    """Write the byte chunks to directory/name atomically (_atomic). Returns the bytes written."""
+    total = 0
+    with _atomic(directory, name) as fd:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            _write_all(fd, view)
+            total += view.nbytes
     return total
 
 
@@ -146,10 +149,7 @@ def write_shard(directory, name, tensors, slots):
         return len(text).to_bytes(8, "little") + text
     crcs = {tname: "00000000" for tname, _ in views}
     placeholder = header(crcs)
-    final = os.path.join(directory, name)
-    tmp = f"{final}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    with _atomic(directory, name) as fd:
         _write_all(fd, memoryview(placeholder))
         for tname, view in views:
             running = 0
@@ -161,14 +161,6 @@ def write_shard(directory, name, tensors, slots):
         head = header(crcs)
         assert len(head) == len(placeholder)
         os.pwrite(fd, head, 0)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, final)
-    _fsync_dir(directory)
     return {"file": name, "bytes": len(head) + offset, "checksum": crc(head)}
 
 

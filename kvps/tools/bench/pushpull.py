@@ -27,6 +27,7 @@ import time
 from kvps.errors import KVPSError, KVTimeoutError
 
 from kvps.tools.bench import workloads
+from kvps.tools.capture import Lines
 from kvps.tools.progress import Progress
 from kvps.tools.bench.workloads import KB, show_size
 
@@ -115,26 +116,6 @@ class JobFailed(Exception):
     """A job failed or passed its deadline; the message carries the children's logs."""
 
 
-class _Lines:
-    """The output stream handed to kvps.launch.Job: keeps every line, echoes with -v."""
-
-    def __init__(self, echo=None):
-        self._parts = []
-        self._echo = echo
-
-    def write(self, text):
-        self._parts.append(text)
-        if self._echo is not None:
-            self._echo.write(text)
-
-    def flush(self):
-        if self._echo is not None:
-            self._echo.flush()
-
-    def text(self):
-        return "".join(self._parts)
-
-
 def results(text, tag=workloads.TAG):
     """The result objects (JSON with "bench": tag) in a job's prefixed output ('[W0] {...}' lines)."""
     rows = []
@@ -158,7 +139,7 @@ def kvps_job(workers, servers, command, env, timeout, verbose, label):
 
     # A call that hangs inside a worker raises there (naming what it waits for), before the job's deadline.
     env = dict(env, KVPS_TIMEOUT=f"{min(Config.from_env().timeout, max(10.0, timeout / 2)):g}")
-    lines = _Lines(sys.stderr if verbose else None)
+    lines = Lines(sys.stderr if verbose else None)
     job = Job(workers, servers, command, env=env, out=lines)
     start = time.monotonic()
     try:

@@ -31,6 +31,7 @@ import time
 
 from kvps.errors import ConfigError, KVTimeoutError, NodeFailure
 
+from kvps.tools.capture import Lines
 from kvps.tools.emulate.baselines import EmulatedGlooJob, EmulatedMXNetJob
 from kvps.tools.emulate.job import EmulatedJob
 from kvps.tools.emulate.network import Network, show_rate
@@ -198,25 +199,6 @@ class OtherLoad:
         return max(0.0, others) / ((end[2] - self.start[2]) * (os.cpu_count() or 1))
 
 
-class _Lines:
-    """A job's output, kept and (with -v) echoed."""
-
-    def __init__(self, echo=None):
-        self.parts, self.echo = [], echo
-
-    def write(self, text):
-        self.parts.append(text)
-        if self.echo:
-            self.echo.write(text)
-
-    def flush(self):
-        if self.echo:
-            self.echo.flush()
-
-    def text(self):
-        return "".join(self.parts)
-
-
 def _job(setup, net, args, plan_path, out):
     W, S, colocated = setup.workers, setup.servers, setup.colocated
     call_timeout = max(30.0, args.timeout / 2)      # a call that hangs fails inside the job, before its deadline
@@ -233,7 +215,7 @@ def run_setup(setup, args, plan_path):
     when it fails or reports less than it should, KVTimeoutError when it passes --timeout."""
     from kvps.tools.bench.pushpull import results
 
-    lines = _Lines(sys.stderr if args.verbose else None)
+    lines = Lines(sys.stderr if args.verbose else None)
     with Network() as net:
         job = _job(setup, net, args, plan_path, lines)
         net.up(job.hosts, rate=args.rate, delay_ms=args.delay_ms, mtu=args.mtu)

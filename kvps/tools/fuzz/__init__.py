@@ -26,6 +26,7 @@ import time
 import zmq
 
 from kvps.supervisor import READY_TIMEOUT, Supervisor
+from kvps.tools.capture import rss_mb
 from kvps.tools.fuzz.frames import KINDS, Hostile
 from kvps.wire.protocol import Header, Op
 
@@ -56,18 +57,6 @@ def expected_result():
     for r in (1, 3):
         rows[r] = [float(4 * r + i) for i in range(4)]
     return {"w": [5.0], "rows": rows}
-
-
-def rss_mb(pid):
-    """Resident memory of a process in MB (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 class Target:

@@ -42,6 +42,7 @@ import time
 
 import numpy as np
 
+from kvps.tools.capture import Lines
 from kvps.tools.simulate.costs import Costs
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -171,22 +172,11 @@ def loopback_rounds(sizes, quick, timeout=120.0):
     return _rounds(text)
 
 
-class _Text:
-    def __init__(self):
-        self.parts = []
-
-    def write(self, text):
-        self.parts.append(text)
-
-    def flush(self):
-        pass
-
-
 def emulated_rounds(sizes, quick, rate=FAST_RATE, timeout=120.0):
     """Rounds with the worker and the server on two emulated hosts. Raises KVPSError subclasses."""
     from kvps.errors import NodeFailure
     from kvps.tools.emulate import EmulatedJob, Network
-    out = _Text()
+    out = Lines()
     with tempfile.TemporaryDirectory(prefix="kvps-calibrate-") as tmp:
         path = os.path.join(tmp, "plan.json")
         with open(path, "w") as f:
@@ -197,8 +187,8 @@ def emulated_rounds(sizes, quick, rate=FAST_RATE, timeout=120.0):
             net.up(job.hosts, rate=rate)
             codes = job.run(timeout)
     if any(codes):
-        raise NodeFailure(f"the emulated calibration job failed ({codes}): {''.join(out.parts)[-3000:]}")
-    return _rounds("".join(out.parts))
+        raise NodeFailure(f"the emulated calibration job failed ({codes}): {out.text()[-3000:]}")
+    return _rounds(out.text())
 
 
 def link_efficiency(rate=EFFICIENCY_RATE, seconds=0.5, senders=1, both_ways=False, timeout=60.0):

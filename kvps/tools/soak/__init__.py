@@ -22,6 +22,7 @@ import threading
 import time
 
 from kvps.errors import KVPSError
+from kvps.tools.capture import Lines, rss_mb
 
 JOBS = (("dist_sync", False), ("dist_sync", True), ("dist_async", False), ("dist_async", True))
 FAULTS = "drop:0.01,dup:0.01,delay:1ms"
@@ -64,18 +65,6 @@ kv.close()
 '''
 
 
-def rss_mb(pid):
-    """Resident memory of a process in MB (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def slope(points):
     """Least-squares slope of [(seconds, MB)] in MB per minute (0.0 for fewer than 2 points)."""
     if len(points) < 2:
@@ -89,27 +78,13 @@ def slope(points):
     return 60.0 * sum((t - mt) * (m - mm) for t, m in points) / var
 
 
-class _Output:
-    def __init__(self):
-        self.parts = []
-
-    def write(self, text):
-        self.parts.append(text)
-
-    def flush(self):
-        pass
-
-    def text(self):
-        return "".join(self.parts)
-
-
 def soak_job(kvtype, faults, seconds, sample_every, warmup, script):
     """Run one job for `seconds`; returns its row: exit code, worker results, per-daemon growth."""
     from kvps.launch import Job
     env = {"SOAK_KVTYPE": kvtype, "SOAK_SECONDS": f"{seconds:g}", "KVPS_CURVE": "0"}
     if faults:
         env.update(KVPS_FAULTS=FAULTS, KVPS_RESEND_TIMEOUT="0.3")
-    out = _Output()
+    out = Lines()
     job = Job(2, 2, [sys.executable, script], env=env, out=out)
     samples = {}
     result = {}
