@@ -23,6 +23,7 @@ started it can stop the whole job, whatever state the launcher is in, by signall
 import os
 import signal
 import sys
+import threading
 import time
 
 from kvps.errors import ConfigError, KVTimeoutError
@@ -193,11 +194,34 @@ def make_keys(environ, num_workers, num_servers, remote):
     return make_job_keys(None, job_names(num_workers, num_servers))
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP reached the launcher (a job manager, `kill`, a closed terminal)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on(signum, frame):
+    raise _Stopped(signum)
+
+
 def run(job):
-    """Start and supervise a job; Ctrl-C stops it and gives 130. Returns the exit code."""
+    """Start and supervise a job; Ctrl-C stops it and gives 130, SIGTERM or SIGHUP stop it and give
+    128 + the signal (the children run in sessions of their own, so only the launcher can stop them).
+    Returns the exit code."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():    # (signals reach only that thread)
+        previous = {sig: signal.signal(sig, _stop_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         job.start()          # inside the try: Ctrl-C while starting must stop what has started
         return job.wait()
     except KeyboardInterrupt:
         job.stop()
         return 130
+    except _Stopped as stopped:
+        job.stop()
+        return 128 + stopped.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

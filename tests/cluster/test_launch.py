@@ -283,3 +283,36 @@ def test_tether_stops_its_command_when_stdin_closes_and_names_a_signal(tmp_path)
     bad = subprocess.run([PY, "-m", "kvps.launch.tether"], input=b'{"argv": "python"}\n', capture_output=True,
                          timeout=30)
     assert bad.returncode == 2 and b"'argv' must be a non-empty list of strings" in bad.stderr
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_sigterm_to_the_launcher_stops_the_whole_job(tmp_path):
+    """`kill` of the launcher (a job manager stopping it) stops every node it started and gives 143;
+    its children run in sessions of their own, so nothing else would."""
+    import signal as sig
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    env = dict(os.environ, **FAST_ENV)
+    proc = subprocess.Popen([PY, "-m", "kvps.cli", "launch", "-n", "2", "-s", "1", "--", PY, str(script)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    children = []
+    try:
+        for line in proc.stdout:                     # bounded: the workers stop by themselves after 60 s
+            if line.startswith(("[W0] training", "[W1] training")) and (children := _children(proc.pid)) and \
+                    len(children) == 4:
+                break
+        assert len(children) == 4, children          # H, S0, W0, W1
+        proc.send_signal(sig.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 128 + sig.SIGTERM
+    from harness import wait_for
+    wait_for(lambda: not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
+                             for c in children), 15, "the launcher's children to exit")
