@@ -36,6 +36,8 @@ def cmd_launch(args):
         env["KVPS_CURVE"] = "1"
     if args.elastic:        # every process reads it through kvps/config.py
         env["KVPS_ELASTIC"] = "1"
+    if args.replicas:       # chain replication: every process reads it through kvps/config.py
+        env["KVPS_REPLICAS"] = str(args.replicas)
     if args.metrics:        # each node serves /metrics on a free port; the scheduler prints them all
         env.setdefault("KVPS_METRICS_PORT", "0")
     if args.resume:         # every kv.init loads its keys from it (kvps/kvstore/checkpointer.py)
@@ -142,6 +144,9 @@ def parser():
                         "other hosts always is, unless KVPS_CURVE=0); the launcher makes the keys")
     s.add_argument("--elastic", action="store_true", help="a dead worker is removed instead of ending the job, "
                                                           "and a replacement may join (KVPS_ELASTIC=1)")
+    s.add_argument("--replicas", type=int, default=0, metavar="R",
+                   help="each server's key ranges are also held by the next R servers, so the job survives R "
+                        "server deaths (KVPS_REPLICAS; needs -s above R; docs/replication.md)")
     s.add_argument("--straggler", action="append", default=[], metavar="RANK=SPEC",
                    help="slow worker RANK by an extra delay per step: fixed:S, exp:MEAN or uniform:LO:HI "
                         "seconds (repeatable; see kvps/straggler.py)")

@@ -61,6 +61,8 @@ VARIABLES = (
                                             "scheduler, for 'kvps scheduler --recover' to take over (0: the job ends)"),
     Var("KVPS_ELASTIC", 0, int, "1: a dead worker of a parameter-server job is removed instead of ending the "
                                 "job, and a replacement may join (kvps launch --elastic)"),
+    Var("KVPS_REPLICAS", 0, int, "chain replication: each server's key ranges are also held by the next R servers, "
+                                 "so the job survives R server deaths (kvps launch --replicas; docs/replication.md)"),
     Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
                                             "this size (Horovod's fusion threshold)"),
     Var("KVPS_RING_CHUNK_BYTES", 4 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
@@ -152,6 +154,7 @@ class Config:
     faults_seed: int = _default("faults_seed")
     resend_timeout: float = _default("resend_timeout")
     elastic: int = _default("elastic")
+    replicas: int = _default("replicas")
     scheduler_grace: float = _default("scheduler_grace")
     shm: int = _default("shm")
     fusion_bytes: int = _default("fusion_bytes")
@@ -202,6 +205,8 @@ class Config:
             raise ConfigError(f"KVPS_SHM={self.shm} must be 0 or 1")
         if self.elastic not in (0, 1):
             raise ConfigError(f"KVPS_ELASTIC={self.elastic} must be 0 or 1")
+        if self.replicas < 0:
+            raise ConfigError(f"KVPS_REPLICAS={self.replicas} must not be negative")
         if self.curve not in ("auto", "0", "1"):
             raise ConfigError(f"KVPS_CURVE={self.curve!r} must be auto, 0 or 1")
         if self.metrics_port is not None and self.metrics_port > 65535:

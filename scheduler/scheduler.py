@@ -10,6 +10,8 @@ Job life cycle:
    at once, so every node is gone within about one heartbeat timeout of the death.
    Elastic jobs (KVPS_ELASTIC=1): a dead worker is removed instead (WORKERS to
    every node), and a worker that registers later takes its vacant rank.
+   Replicated jobs (KVPS_REPLICAS=R): a dead server's key ranges go on at their replicas (SERVERS
+   to every node) as long as each range has a live server left (kvps/wire/chains.py).
    Recovery: a scheduler started with --recover on a dead one's address answers the
    running job's heartbeats with a new incarnation; every node then registers again
    with its rank (REGISTER recover), and barriers wait until the whole job is back.
@@ -27,6 +29,8 @@ import os
 import threading
 import time
 
+from kvps.errors import ConfigError
+from kvps.wire import chains
 from kvps.wire import keys as job_keys
 from kvps.wire.membership import node_name, parse_name
 from kvps.wire.protocol import Header, Op, error_header, quote
@@ -81,6 +85,9 @@ class Scheduler:
     """Runs one job. `serve()` blocks until the job ends and returns the exit code."""
 
     def __init__(self, cfg, host="127.0.0.1", port=0, recover=False):
+        if cfg.replicas and cfg.replicas >= cfg.num_servers:
+            raise ConfigError(f"KVPS_REPLICAS={cfg.replicas} needs more servers than replicas; the job has "
+                              f"{cfg.num_servers} (kvps launch -s)")
         self.cfg = cfg
         # A random id in every heartbeat reply: a node that sees it change registers again (recovery).
         self.incarnation = int.from_bytes(os.urandom(6), "big")
@@ -100,6 +107,8 @@ class Scheduler:
         self.barriers = {g: [] for g in GROUPS}  # group -> [(routing_id, request_id, name)] in arrival order
         self.failures = []
         self.removed = []                       # elastic: why each removed worker was removed
+        self.failed_over = []                   # KVPS_REPLICAS: why each dead server was replaced
+        self.joined_servers = []                # KVPS_REPLICAS: ranks a new server took, in order (chains.py)
         self._ending = None                     # (exit code, when): stop once the last messages are out
         self.exit_code = None
         self._done = threading.Event()
@@ -234,6 +243,8 @@ class Scheduler:
             return self._rejoin(routing_id, header)
         if self.formed and role == "worker" and self.cfg.elastic:
             return self._join_late(routing_id, header)
+        if self.formed and role == "server" and self.cfg.replicas:
+            return self._server_joins(routing_id, header)
         if self.formed:
             return self._refuse(routing_id, header, f"a {role} (pid {meta['pid']}) tried to join a job that "
                                                     f"already has all {want[role]} {role}s", kind="error")
@@ -300,6 +311,44 @@ class Scheduler:
         log.warning("H: %s joined the running job (pid %d): %d workers", member.name, member.pid, len(taken) + 1)
         self._workers_changed(member, "joined", f"a new worker (pid {member.pid}) took the vacant rank",
                               skip=member)
+
+    def _dead_servers(self):
+        return sorted(m.rank for m in self.members if m.role == "server" and m.state == "dead")
+
+    def _server_joins(self, routing_id, header):
+        """KVPS_REPLICAS: a server registering with a formed job takes a dead server's rank (the one it
+        asks for if that one is dead) and joins the tail of that rank's chains; every node is told
+        (SERVERS), and the old tail of each chain hands it the state (server/handover.py)."""
+        meta = header.meta
+        dead = self._dead_servers()
+        if not dead:
+            return self._refuse(routing_id, header, f"a server (pid {meta['pid']}) tried to join a job whose "
+                                                    f"{self.cfg.num_servers} servers are all alive", kind="error")
+        wanted = meta.get("rank", -1)
+        rank = wanted if wanted in dead else dead[0]
+        for m in [m for m in self.members if m.role == "server" and m.rank == rank]:
+            self.members.remove(m)
+            self.by_routing.pop(m.routing_id, None)
+        member = Member(routing_id, header.id, "server", meta["host"], meta["port"], meta["pid"], rank, "",
+                        time.monotonic(), rank=rank)
+        self.members.append(member)
+        self.by_routing[routing_id] = member
+        if rank in self.joined_servers:
+            self.joined_servers.remove(rank)
+        self.joined_servers.append(rank)
+        dead = self._dead_servers()
+        mode = next(m.mode for m in self.members if m.role == "worker")
+        table = {"servers": self._table("server"), "workers": self._table("worker"), "mode": mode}
+        self.van.reply(routing_id, Header(Op.MEMBERSHIP, header.id, "H", meta=dict(
+            table, rank=rank, late=True, dead=dead, joined=list(self.joined_servers), incarnation=self.incarnation)))
+        reason = f"a new server ({escape(member.host)}, pid {member.pid}) took the rank of the dead {member.name}"
+        log.warning("H: %s; it joins the tail of its chains (dead servers: %s)", reason,
+                    ", ".join(f"S{r}" for r in dead) or "none")
+        news = Header(Op.SERVERS, 0, "H", meta={"dead": dead, "node": member.name, "reason": reason,
+                                                "joined": list(self.joined_servers), "servers": table["servers"]})
+        for m in self.members:
+            if m.state == "alive" and m is not member:
+                self.van.reply(m.routing_id, news)
 
     def _rejoin(self, routing_id, header):
         """Recovery: a node of the running job registers again with its rank; once every rank is back
@@ -439,6 +488,25 @@ class Scheduler:
         if self._ending is None:
             self._ending = (1, time.monotonic() + min(0.5, self.cfg.heartbeat_interval))
 
+    def _fail_over(self, member, reason):
+        """Chain replication (KVPS_REPLICAS): a dead server's ranges go on at the next live server of
+        each of their chains, and every node is told (SERVERS). False when some range has no live
+        server left: the job fails as without replicas."""
+        dead = self._dead_servers()
+        lost = chains.lost(self.cfg.num_servers, self.cfg.replicas, set(dead))
+        if lost:
+            log.error("H: %s; the key ranges of %s have no live replica left (KVPS_REPLICAS=%d)", reason,
+                      ", ".join(f"S{h}" for h in lost), self.cfg.replicas)
+            return False
+        self.failed_over.append(reason)
+        log.warning("H: %s; its key ranges go on at their replicas (dead servers: %s)", reason,
+                    ", ".join(f"S{r}" for r in dead))
+        self._tell_all(Header(Op.SERVERS, 0, "H", meta={"dead": dead, "node": member.name, "reason": reason,
+                                                        "joined": list(self.joined_servers)}))
+        for group in GROUPS:
+            self._release(group)
+        return True
+
     def _check(self):
         """Heartbeat watch (timer on the I/O thread)."""
         now = time.monotonic()
@@ -460,6 +528,8 @@ class Scheduler:
                 m.state = "dead"
                 reason = (f"no heartbeat from {m.name} ({m.host}, pid {m.pid}) for {silent:.1f} s "
                           f"(KVPS_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g})")
+                if self.formed and m.role == "server" and self.cfg.replicas and self._fail_over(m, reason):
+                    continue
                 if self.formed and m.role == "worker" and self.cfg.elastic:
                     self.removed.append(reason)
                     log.warning("H: %s; removing it from the elastic job", reason)

@@ -17,6 +17,10 @@ gets its first reply again and is never applied twice. In an elastic job (KVPS_E
 scheduler's WORKERS messages remove and add workers: rounds close with the workers that remain,
 and a worker that joins takes part from each key's next round (kvps/ps/store.py).
 
+With KVPS_REPLICAS (server/replication.py) each request that changes a key range goes on to the
+next server of the range's chain, and its reply waits until that server has applied it too; a
+server that dies is replaced in every chain by the next live one (SERVERS from the scheduler).
+
 A PULL or PUSHPULL with meta["pull"] (compressed pull, docs/compression.md) gets its float32
 values compressed when its reply is built, with this server's error feedback per worker, key
 and part (kvps.ps.compression.PullEncoder); a refused request moves none of it.
@@ -43,6 +47,9 @@ from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 from kvps.ps import checkpoint
 from kvps.ps.store import Store
 from kvps.ps.rules import Registry
+from kvps.wire.membership import SCHEDULER
+from server import handover
+from server.replication import Chain
 
 log = logging.getLogger("kvps.server")
 
@@ -153,7 +160,7 @@ class Server(Node):
         self.optimizer = (0, None)              # (generation, spec)
         self.exit_code = None
         self._done = threading.Event()
-        self._checkpointing = False            # a SAVE is being written
+        self._checkpointing = {}               # save id -> shards of it being written (one per home range)
         self._held = None                      # while one writes the live state: the requests held back
         self._finished = queue.SimpleQueue()   # (routing id, request, result) of those threads
         self._finishing = False                # the I/O-thread timer that takes them is set
@@ -165,6 +172,9 @@ class Server(Node):
             self._export(self.telemetry.metrics)
         self.joining = []                       # requests from a worker whose join the scheduler has not told us of
         self.pulls = compression.PullEncoder()  # compressed pulls' error feedback, per worker, key and part
+        self.chain = None                       # server.replication.Chain with KVPS_REPLICAS
+        self.homes = {}                         # (key, part) -> the home rank of its range (KVPS_REPLICAS)
+        self._redirect = {}                     # (client, id) -> (routing id, request): who asked last
 
     def serve(self):
         self.start()
@@ -175,6 +185,11 @@ class Server(Node):
     # ---- node hooks (I/O thread) ----
     def on_membership(self, meta):
         try:
+            if self.cfg.replicas:
+                if self.cfg.replicas >= len(meta["servers"]):
+                    raise ValueError(f"KVPS_REPLICAS={self.cfg.replicas} needs more than "
+                                     f"{self.cfg.replicas} servers; the job has {len(meta['servers'])}")
+                self.chain = Chain(self)
             self.store = Store(len(meta["workers"]), meta["mode"])
             log.info("%s: consistency %s", self.name, self.store.consistency.wire())
             if self.telemetry is not None:
@@ -188,6 +203,19 @@ class Server(Node):
         early, self.early = self.early, []
         for request in early:
             self.on_client(*request)
+
+    def _on_message(self, source, header, payloads):
+        # The replies of the next servers of our chains come on our DEALERs to them.
+        if source[0] == "peer" and source[1] != SCHEDULER:
+            if self.chain is not None and header.op in (Op.ACK, Op.ERROR):
+                return self.chain.acked(source[1], header)
+            return self.van.complaints(log, logging.WARNING, "%s: unexpected %s from %s dropped", self.name,
+                                       header.op.name, source[1])
+        super()._on_message(source, header, payloads)
+
+    def on_servers(self, meta):
+        if self.chain is not None:
+            self.chain.changed(meta)
 
     def on_shutdown(self, failed=None):
         if failed:
@@ -244,12 +272,48 @@ class Server(Node):
         self.answer(routing_id, header, error_header(header.id, self.name, error_kind(exc), describe(exc)))
 
     def answer(self, routing_id, request, reply, payloads=(), on_tracker=None):
-        """Send the reply to a request, and remember it (or that it carried values) in the window."""
-        keep = RECOMPUTE if reply.op in (Op.VALUE, Op.STATS) else reply     # values may be big, and change
-        self.window.answered((request.src, routing_id), request.id, keep)
+        """Send the reply to a request (once the rest of its chain has applied it, KVPS_REPLICAS),
+        and remember it (or that it carried values) in the window."""
+        if self.chain is not None and self.chain.hold(routing_id, request, reply, payloads):
+            return
+        self.send_answer(routing_id, request, reply, payloads, on_tracker)
+
+    def send_answer(self, routing_id, request, reply, payloads=(), on_tracker=None):
+        client = self._client(request, routing_id)
+        if request.meta.get("chain"):
+            reply.meta = dict(reply.meta or {}, **{"for": request.src})
+        # values may be big, and change; a PUSHPULL copy along a chain is answered as its push
+        recompute = reply.op in (Op.VALUE, Op.STATS) or (request.op == Op.PUSHPULL and reply.op == Op.ACK)
+        self.window.answered(client, request.id, RECOMPUTE if recompute else reply)
+        if self._redirect:
+            asked = self._redirect.pop((client, request.id), None)
+            if asked is not None:       # asked again by another (its first asker died): it gets the answer
+                routing_id, again = asked
+                if request.op == Op.PUSHPULL and reply.op == Op.ACK and not again.meta.get("chain"):
+                    return self._again(routing_id, again, (), self._worker(again.src), RECOMPUTE)
+                reply = self._for(again, reply)
         if self.telemetry is not None:
             self._observe(routing_id, request, reply)
         self.van.reply(routing_id, reply, payloads, on_tracker=on_tracker)
+
+    @staticmethod
+    def _client(header, routing_id):
+        """Whose window a request's id is in: the worker's own connection, or, with KVPS_REPLICAS,
+        the worker and key range (its copies along the chain and its resends to a new head are one
+        stream of ids)."""
+        home = header.meta.get("home")
+        return (header.src, routing_id) if home is None else (header.src, "home", home)
+
+    @staticmethod
+    def _for(request, reply):
+        """`reply` as the answer to `request`: a copy along a chain gets its worker named."""
+        chain = bool(request.meta.get("chain"))
+        if chain == ("for" in (reply.meta or {})):
+            return reply
+        meta = {k: v for k, v in (reply.meta or {}).items() if k != "for"}
+        if chain:
+            meta["for"] = request.src
+        return Header(reply.op, reply.id, reply.src, reply.keys, meta or None)
 
     # ---- metrics and timeline (docs/observability.md; only with KVPS_METRICS_PORT or KVPS_TIMELINE) ----
     def _export(self, metrics):
@@ -307,6 +371,8 @@ class Server(Node):
                                        f"already holds {MAX_EARLY} requests back")
                 self._held.append((routing_id, header, payloads))
                 return
+            if header.op == Op.STATE:
+                return handler(self, routing_id, header, payloads)
             worker = self._worker(header.src)
             if worker in self.store.removed:
                 # A worker joining an elastic job: its requests may overtake the scheduler's news.
@@ -314,22 +380,56 @@ class Server(Node):
                     raise NodeFailure(f"{header.op.name} from W{worker}, which is not in the job")
                 self.joining.append((routing_id, header, payloads))
                 return
-            state = self.window.admit((header.src, routing_id), header.id)
+            client = self._client(header, routing_id)
+            state = self.window.admit(client, header.id)
             if state is not NEW:
-                return self._again(routing_id, header, payloads, worker, state)
+                return self._again(routing_id, header, payloads, worker, state, client)
             if self.telemetry is not None:
                 if len(self._arrived) >= MAX_EARLY:    # requests never answered (their worker died)
                     self._arrived.clear()
                 self._arrived[(routing_id, header.id)] = time.time()
-            handler(self, routing_id, header, payloads, worker)
+            if self.chain is None:
+                return handler(self, routing_id, header, payloads, worker)
+            self._replicated(handler, routing_id, header, payloads, worker)
         except Exception as exc:
             self.van.complaints(log, logging.WARNING, "%s: %s from %s refused: %s", self.name, header.op.name,
                                 quote(header.src), escape(describe(exc)))
             self.reply_error(routing_id, header, exc)
 
-    def _again(self, routing_id, header, payloads, worker, state):
+    def _replicated(self, handler, routing_id, header, payloads, worker):
+        """Handle a request of a replicated job: note its slots' range, copy it to the next server of
+        that range's chain once this one took it (server/replication.py)."""
+        home = header.meta.get("home")
+        if home is not None:
+            if not 0 <= home < self.chain.num_servers:
+                raise ProtocolError(f"{header.op.name} meta home {home} is not a server rank")
+            if header.op == Op.INIT:
+                for e in header.keys:
+                    self.homes[(e.key, e.part)] = home
+        fwd = self.chain.begin(header, payloads)
+        try:
+            handler(self, routing_id, header, payloads, worker)
+        except Exception:
+            if fwd is not None:
+                self.chain.cancel(fwd)
+            raise
+        if fwd is not None:
+            self.chain.send(fwd)
+
+    def _again(self, routing_id, header, payloads, worker, state, client=None):
         """A request id seen before: drop it (BUSY, OLD), answer it again with its reply, or
-        recompute a reply with values (a PUSHPULL's push is not applied again: only its pull runs)."""
+        recompute a reply with values (a PUSHPULL's push is not applied again: only its pull runs).
+        With KVPS_REPLICAS a request asked again while BUSY is answered to its latest asker (the
+        first may have died: a worker's old head, an upstream server), and a copy along a chain is
+        answered with an ACK whatever the first asker got (it only asks whether it was applied)."""
+        chain = header.meta.get("chain")
+        if self.chain is not None and state is BUSY:
+            self._redirect[(client, header.id)] = (routing_id, header)
+            return
+        if chain and state is not BUSY:
+            if state is OLD or state is RECOMPUTE or not isinstance(state, Header):
+                state = Header(Op.ACK, header.id, self.name)
+            return self.van.reply(routing_id, self._for(header, state))
         if state is BUSY or state is OLD:
             return
         if state is RECOMPUTE:
@@ -340,7 +440,7 @@ class Server(Node):
                 header = Header(header.op, header.id, header.src, header.keys,
                                 {k: v for k, v in header.meta.items() if k != "into"})
             return handler(self, routing_id, header, payloads, worker)
-        self.van.reply(routing_id, state)
+        self.van.reply(routing_id, self._for(header, state) if self.chain is not None else state)
 
     def _worker(self, src):
         num = self.store.num_workers
@@ -413,6 +513,8 @@ class Server(Node):
         """Map a co-located worker's segment (kvps/wire/shm.py); ERROR tells it to use TCP."""
         host, _, pid = self.membership["workers"][worker][:3]
         meta = header.meta
+        if self.chain is not None:
+            raise ShmRefused(f"{self.name} moves everything over TCP with KVPS_REPLICAS (copies go on to replicas)")
         if meta["pid"] != pid:
             raise ShmRefused(f"ATTACH names pid {meta['pid']}; W{worker} registered as pid {pid}")
         if host != self.host or not self.cfg.shm:
@@ -469,7 +571,8 @@ class Server(Node):
         return Entry(entry.key, entry.part, DType.FLOAT32, slot.shape, grad.nbytes), grad.reshape(slot.shape)
 
     def _pushpull(self, routing_id, header, payloads, worker):
-        self._push(routing_id, header, payloads, worker, then_pull=True)
+        # a copy along a chain (KVPS_REPLICAS) is applied as its push: only the head's worker pulls
+        self._push(routing_id, header, payloads, worker, then_pull=not header.meta.get("chain"))
 
     def _pull(self, routing_id, header, payloads, worker):
         for e in header.keys:
@@ -525,22 +628,33 @@ class Server(Node):
     def _stats(self, routing_id, header, payloads, worker):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
                     keys=len(self.store.slots), mode=self.store.consistency.wire(),
-                    duplicates=self.window.duplicates, shared=self.shared_entries)
+                    duplicates=self.window.duplicates, shared=self.shared_entries,
+                    forwarded=self.chain.forwarded if self.chain is not None else 0)
         self.answer(routing_id, header, Header(Op.STATS, header.id, self.name, meta=meta))
+
+    def _take_over(self, routing_id, header, payloads):
+        """STATE: this server joined a chain's tail and its old tail hands it the state (server/handover.py)."""
+        role, _ = parse_name(header.src)
+        if self.chain is None or role != "server":
+            raise ProtocolError(f"STATE from {quote(header.src)}: only a server of a replicated job sends it")
+        handover.take(self, header, payloads)
 
     # ---- checkpoints (kvps/ps/checkpoint.py; docs/checkpoint.md) ----
     def _save(self, routing_id, header, payloads, worker):
         """Copy the state now (the only pause: training goes on while a thread writes the copy)."""
-        path, save_id = header.meta["path"], header.meta["save"]
-        name = f"{save_id}.S{self.rank}.safetensors"
+        path, save_id, home = header.meta["path"], header.meta["save"], header.meta.get("home")
+        name = f"{save_id}.S{self.rank if home is None else home}.safetensors"
         if not checkpoint.SHARD.fullmatch(name):
             raise KVValueError(f"SAVE id {quote(save_id)} is not 1 to 64 letters, digits, '-' or '_'")
-        if self._checkpointing:
+        if self._checkpointing and save_id not in self._checkpointing:
             raise KVValueError(f"{self.name} is still writing the previous checkpoint; save one at a time")
         hold = header.meta.get("hold", False)
-        tensors, slots = checkpoint.pack(self.store.export(copy=not hold))
-        self._checkpointing = True
-        if hold:
+        records = self.store.export(copy=not hold)
+        if home is not None:        # KVPS_REPLICAS: this range's shard only (replicas hold others)
+            records = [r for r in records if self.homes.get((r["key"], r["part"]), self.rank) == home]
+        tensors, slots = checkpoint.pack(records)
+        self._checkpointing[save_id] = self._checkpointing.get(save_id, 0) + 1
+        if hold and self._held is None:
             self._held = []         # requests that would change the arrays being written wait here
         self._background(routing_id, header, lambda: self._write(path, name, tensors, slots))
 
@@ -604,10 +718,13 @@ class Server(Node):
         while not self._finished.empty():
             routing_id, header, result = self._finished.get()
             if header.op == Op.SAVE:
-                self._checkpointing = False
-                held, self._held = self._held, None
-                for request in held or ():
-                    self.on_client(*request)
+                save_id = header.meta["save"]
+                self._checkpointing[save_id] -= 1
+                if not self._checkpointing[save_id]:
+                    del self._checkpointing[save_id]
+                    held, self._held = self._held, None
+                    for request in held or ():
+                        self.on_client(*request)
             try:
                 if isinstance(result, Exception):
                     raise result
@@ -621,4 +738,4 @@ class Server(Node):
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,
                  Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.ROW_SPARSE_PUSH: _row_sparse_push,
                  Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats,
-                 Op.JOIN: _join, Op.SAVE: _save, Op.LOAD: _load, Op.ATTACH: _attach}
+                 Op.JOIN: _join, Op.SAVE: _save, Op.LOAD: _load, Op.ATTACH: _attach, Op.STATE: _take_over}

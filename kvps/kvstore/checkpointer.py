@@ -62,8 +62,12 @@ class Checkpointer:
                                  "checksum": header.meta["checksum"], "server": server}
             return on_reply
         meta = {"path": path, "save": save_id, "hold": hold}
-        handle = self.node.request_many([(f"S{s}", Header(Op.SAVE, meta=meta), (), keep(s))
-                                         for s in range(self.num_servers)], f"checkpoint to {path}")
+        if self.cfg.replicas:       # each range's shard from the head of its chain (kvps/wire/chains.py)
+            items = [(self.node.server_peer(s), Header(Op.SAVE, meta=dict(meta, home=s)), (), keep(s))
+                     for s in range(self.num_servers)]
+        else:
+            items = [(f"S{s}", Header(Op.SAVE, meta=meta), (), keep(s)) for s in range(self.num_servers)]
+        handle = self.node.request_many(items, f"checkpoint to {path}")
         layout = [{"key": info.key, "dtype": info.dtype.name, "shape": list(info.shape),
                    "parts": [[p.index, p.server, p.row_start, p.row_stop] for p in info.parts]}
                   for info in list(self.keys.values())]
@@ -102,7 +106,10 @@ class Checkpointer:
             for i in range(0, len(entries), LOAD_ENTRIES):
                 chunk = entries[i:i + LOAD_ENTRIES]
                 meta = {"path": path, "rows": [start for _, start in chunk], "what": what}
-                items.append((f"S{server}", Header(Op.LOAD, keys=[e for e, _ in chunk], meta=meta), (), None))
+                if self.cfg.replicas:       # the head loads it, and its chain with it
+                    meta["home"] = server
+                items.append((self.node.server_peer(server), Header(Op.LOAD, keys=[e for e, _ in chunk], meta=meta),
+                              (), None))
         if items:
             self.node.request_many(items, f"loading checkpoint {path}").wait()
 

@@ -131,8 +131,12 @@ class DistKVStore(KVStore):
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
         self._check_returned()
-        items = [(f"S{server}", Header(op, keys=entries, meta=meta), payloads, on_reply)
-                 for server, entries, payloads, meta in messages]
+        if self.cfg.replicas:       # to the head of each range's chain, which it names (kvps/wire/chains.py)
+            items = [(self._node.server_peer(server), Header(op, keys=entries, meta=dict(meta, home=server)),
+                      payloads, on_reply) for server, entries, payloads, meta in messages]
+        else:
+            items = [(f"S{server}", Header(op, keys=entries, meta=meta), payloads, on_reply)
+                     for server, entries, payloads, meta in messages]
         if self._pull_codec is not None and op in (Op.PULL, Op.PUSHPULL):
             for _, header, _, _ in items:
                 header.meta["pull"] = self._pull_codec
@@ -213,7 +217,9 @@ class DistKVStore(KVStore):
             pass
         arena = None
         membership = self._node.membership
-        if self.cfg.shm and membership["workers"][self.rank][0] == membership["servers"][server][0]:
+        # (with KVPS_REPLICAS everything goes over TCP: a head copies what it receives to its replicas)
+        if self.cfg.shm and not self.cfg.replicas and \
+                membership["workers"][self.rank][0] == membership["servers"][server][0]:
             arena = Arena(f"S{server}", functools.partial(self._attach, server))
         self._arenas[server] = arena
         return arena
@@ -231,7 +237,7 @@ class DistKVStore(KVStore):
     def _region(self, server, info, part, direction):
         """The free region of `direction` ("push", "reply") for a part, or None (it goes over TCP)."""
         nbytes = part.size * info.dtype.itemsize
-        if nbytes < MIN_BYTES or not self.cfg.shm:
+        if nbytes < MIN_BYTES or not self.cfg.shm or self.cfg.replicas:
             return None
         arena = self._arena(server)
         return None if arena is None else arena.region((info.key, part.index, direction), nbytes)
@@ -512,7 +518,7 @@ class DistKVStore(KVStore):
         self._optimizer_generation += 1
         meta = {"generation": self._optimizer_generation, "spec": spec}
         handle = self._node.request_many(
-            [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in range(self._num_servers)],
+            [(f"S{s}", Header(Op.SET_OPTIMIZER, meta=meta), (), None) for s in self._node.live_servers()],
             f"set_optimizer({spec['name']})")
         handle.wait()
 
@@ -544,7 +550,7 @@ class DistKVStore(KVStore):
         every sync round, so the others finish theirs; waits until every worker has joined and
         returns the rank of the last one (the one that trained longest)."""
         self.wait_all()
-        self._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in range(self._num_servers)],
+        self._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in self._node.live_servers()],
                                 f"W{self.rank} joining").wait()
         return int(self._node.barrier("workers")[1:])
 
@@ -557,7 +563,7 @@ class DistKVStore(KVStore):
 
         def keep(header, payloads):
             stats[header.src] = header.meta
-        self._node.request_many([(f"S{s}", Header(Op.STATS), (), keep) for s in range(self._num_servers)],
+        self._node.request_many([(f"S{s}", Header(Op.STATS), (), keep) for s in self._node.live_servers()],
                                 "server stats").wait()
         return stats
 

@@ -46,14 +46,18 @@ def forwarded_env(environ, extra):
     return env
 
 
-def judge(name, returncode, workers_running, describe):
+def judge(name, returncode, workers_running, describe, replicated=False):
     """The line that stops a job when child `name` exits with `returncode`, or None when the job goes
     on: a failed worker stops it, and so does a daemon that fails while workers still run (its
-    death would reach the workers only after the heartbeat timeout). describe(name, code) words it."""
+    death would reach the workers only after the heartbeat timeout), except a server of a
+    `replicated` job (KVPS_REPLICAS: the scheduler moves its ranges to their replicas, or fails the
+    job when none is left). describe(name, code) words it."""
     if not returncode:
         return None
     if name.startswith("W"):
         return f"worker {describe(name, returncode)}; stopping the job"
+    if replicated and name.startswith("S"):
+        return None
     if workers_running:
         return f"{describe(name, returncode)} while workers were running; stopping the job"
     return None
@@ -99,6 +103,8 @@ class Job:
         self.children = Supervisor(self.out, new_session=not leads_own_session())
         self.scheduler_address = None
         self.secrets = {}                       # name -> its secret file, for a CURVE job
+        self.replicas = int(self.env.get("KVPS_REPLICAS") or 0)
+        self.failed_over = set()                # servers that died while their replicas took over
 
     def scheduler_argv(self):
         argv = [sys.executable, "-m", "kvps.cli", "scheduler", "--port", str(self.scheduler_port),
@@ -158,7 +164,12 @@ class Job:
                 raise KVTimeoutError(f"the job did not finish within {timeout:g} s (workers still running: "
                                      f"{running or 'none'}); stopped it")
             name, returncode = exited
-            verdict = judge(name, returncode, bool(self.children.running(workers)), self.placement.describe)
+            verdict = judge(name, returncode, bool(self.children.running(workers)), self.placement.describe,
+                            replicated=self.replicas > 0)
+            if returncode and verdict is None and name.startswith("S") and self.replicas:
+                self._say(f"{self.placement.describe(name, returncode)}; its key ranges go on at their "
+                          f"replicas (KVPS_REPLICAS={self.replicas})")
+                self.failed_over.add(name)
             if verdict:
                 self._say(verdict)
                 code = exit_code(returncode)
@@ -167,7 +178,8 @@ class Job:
             self.children.wait(DRAIN_TIMEOUT)
         self.stop()
         if code == 0:
-            daemons = [(n, c) for n, c in self.children.poll().items() if not n.startswith("W") and c]
+            daemons = [(n, c) for n, c in self.children.poll().items()
+                       if not n.startswith("W") and c and n not in self.failed_over]
             if daemons:
                 self._say("daemons exited with errors: " +
                           ", ".join(self.placement.describe(n, c) for n, c in daemons))

@@ -69,7 +69,7 @@ def _show(dtype, shape):
 class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
-                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened")
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -78,6 +78,7 @@ class Slot:
         self.value = None                # set by rank 0's init
         self.init_waiters = []           # (worker, dtype, shape, done)
         self.pending = []                # this round's pushed arrays
+        self.pushers = []                # the worker of each, in order (a handover replays them)
         self.in_round = set()            # workers that pushed into the open round
         self.acks = []                   # their callbacks
         self.pushes = {}                 # worker -> its clock (see clocks.py)
@@ -118,6 +119,10 @@ def _sum_rows(pushes, dtype):
     for p in pushes:
         values[np.searchsorted(ids, p.ids)] += p.values
     return Rows(ids, values)
+
+
+def _answered(error):
+    """The ack of a push handed over with its slot (Store.adopt): its sender answered it."""
 
 
 class Store:
@@ -262,6 +267,7 @@ class Store:
             slot.opened = time.time()
         slot.in_round.add(worker)
         slot.pending.append(array)
+        slot.pushers.append(worker)
         slot.acks.append(done)
         if self.clocks.round_complete(slot):
             self._close_round(slot)
@@ -271,7 +277,7 @@ class Store:
         # A joined worker's zeros count as its push, so its pulls never wait and its count stays in step.
         for worker in self.joined - slot.in_round:
             slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
-        slot.pending, slot.acks, slot.in_round = [], [], set()
+        slot.pending, slot.pushers, slot.acks, slot.in_round = [], [], [], set()
         if self.clocks.late:
             self.clocks.late.pop(slot.id, None)
         merge_start = time.time() if self.observer is not None else 0.0
@@ -475,7 +481,7 @@ class Store:
         for slot in self.slots.values():
             if slot.in_round and worker not in slot.in_round:
                 error = NodeFailure(f"the sync round of {slot.name()} can never close: {reason}")
-                acks, slot.acks, slot.pending, slot.in_round = slot.acks, [], [], set()
+                acks, slot.acks, slot.pending, slot.pushers, slot.in_round = slot.acks, [], [], [], set()
                 for w, array, done in slot.early:
                     acks.append(done)
                 slot.early = []
@@ -506,6 +512,34 @@ class Store:
                         "version": slot.version, "pushes": sorted(pushes.items()),
                         "seen": sorted(slot.seen.items())})
         return out
+
+    def handover(self, slot_ids):
+        """The state of these slots for a server that joins their chain (server/replication.py): per
+        slot (its export record, with copies; the pushes waiting in its open round, in the order they
+        came: [(worker, array or Rows)])."""
+        chosen = set(slot_ids)
+        records = [r for r in self.export(copy=True) if (r["key"], r["part"]) in chosen]
+        out = []
+        for record in records:
+            slot = self.slots[(record["key"], record["part"])]
+            waiting = list(zip(slot.pushers, slot.pending)) + [(w, a) for w, a, _ in slot.early]
+            out.append((record, [(w, a.copy() if isinstance(a, np.ndarray) else a) for w, a in waiting]))
+        return out
+
+    def adopt(self, key, part, value, counters, waiting):
+        """A slot handed over by the old tail of its chain: its value and counters (as handover gave
+        them), then the pushes that wait in its open round, pushed again in their order (nobody
+        waits for their acks: the sender answered them)."""
+        slot = self.slots.get((key, part))
+        if slot is None:
+            slot = self.slots[(key, part)] = Slot((key, part), value.dtype, value.shape)
+        self.restore(slot, np.array(value), counters)
+        for worker, array in waiting:
+            rows = None
+            if isinstance(array, Rows):
+                array, rows = array.values, array.ids
+            self.push(worker, key, part, array, _answered, rows)
+        return slot
 
     def check_restore(self, key, part, shape, dtype, idle=True):
         """Raise (before anything changes) unless (key, part) may take a loaded state now; `idle`:

@@ -32,6 +32,7 @@ from kvps.errors import KVPSError, NodeFailure, describe
 from kvps.wire import keys as job_keys
 from kvps.wire.faults import Faults
 from kvps.wire.requests import Handle, Requests, node_failure
+from kvps.wire import chains
 from kvps.wire.protocol import Header, Op
 from kvps.wire.throttle import escape
 from kvps.wire.transport import Van
@@ -93,7 +94,8 @@ class Node:
         self.membership = None
         # Only a worker's data requests are resent (the scheduler's control plane is never faulted).
         self.requests = Requests(cfg.resend_after if role == "worker" else 0.0,
-                                 keep_control=cfg.scheduler_grace > 0)
+                                 keep_control=cfg.scheduler_grace > 0,
+                                 keep_data=role == "worker" and cfg.replicas > 0)
         # Only a worker's requests carry priorities (servers answer in arrival order).
         credit = cfg.send_credit if role == "worker" else 0
         # CURVE (docs/security.md): loaded before the Van exists, so bad keys leave nothing open.
@@ -123,6 +125,8 @@ class Node:
         self._incarnation = None        # the scheduler's (see _reregister)
         self._register_meta = {}
         self.left = set()               # workers that closed cleanly
+        self.dead_servers = set()       # chain replication (KVPS_REPLICAS): servers that died, by rank
+        self.joined_servers = []        # and the ranks new servers took, in order (kvps/wire/chains.py)
         self._ended = None              # what ended this node's waits: its failure, or its stop
         self._end_listeners = []
         self._end_lock = threading.Lock()
@@ -211,6 +215,8 @@ class Node:
             for peer, header, payloads, on_reply in items:
                 header.id = self.requests.add(handle, peer, on_reply, (header, payloads), control=peer == SCHEDULER)
                 header.src = self.name
+                if self.dead_servers:
+                    peer = self.requests.peer_of(header.id, peer)
                 self.van.send(peer, header, payloads, priority=priority)
         finally:
             handle._arm()
@@ -265,6 +271,16 @@ class Node:
             log.info("%s: %s %s (%s): %d workers", self.name, header.meta["node"], header.meta["change"],
                      escape(header.meta["reason"]), self.num_workers)
             self.on_workers(header.meta)
+        elif header.op == Op.SERVERS:
+            meta = header.meta
+            self.dead_servers, self.joined_servers = set(meta["dead"]), list(meta.get("joined", ()))
+            if "servers" in meta:
+                self.membership = dict(self.membership, servers=meta["servers"])
+            joined = parse_name(meta["node"])[1] not in self.dead_servers
+            log.warning("%s: %s %s (%s); %s", self.name, escape(meta["node"]), "joined" if joined else "died",
+                        escape(meta["reason"]), "it joins the tail of its chains" if joined else
+                        "its key ranges go on at their replicas")
+            self.on_servers(meta)
         elif header.op == Op.SHUTDOWN:
             self.on_shutdown(header.meta.get("failed"))
         else:
@@ -348,6 +364,9 @@ class Node:
     def on_workers(self, meta):
         """An elastic job's workers changed (WORKERS meta: workers, node, change, reason)."""
 
+    def on_servers(self, meta):
+        """Chain replication: a server died and its replicas took over (SERVERS meta: dead, node, reason)."""
+
     def on_shutdown(self, failed=None):
         """The scheduler ends the job; `failed` says why when it failed."""
 
@@ -396,7 +415,10 @@ class Worker(Node):
 
     def on_membership(self, meta):
         self.van.name = self.name       # transport errors and logs name the worker from now on
-        for rank, (host, port, _) in enumerate(meta["servers"]):
+        for rank, (host, port, pid) in enumerate(meta["servers"]):
+            if pid < 0:                 # a replicated job's dead server (a worker that joined late)
+                self.dead_servers.add(rank)
+                continue
             self.van.connect(f"S{rank}", host, port)
         workers = meta["workers"]
         if len(workers) > 1:
@@ -406,6 +428,42 @@ class Worker(Node):
                 return
             self.van.connect(f"W{right}", host, port)
             self._peers.add(f"W{right}")
+
+    # ---- chain replication (KVPS_REPLICAS; kvps/wire/chains.py) ----
+    def server_peer(self, home):
+        """The server that takes the requests for home rank `home`'s key ranges: that server, or
+        with KVPS_REPLICAS the live head of their chain."""
+        if not self.cfg.replicas:
+            return f"S{home}"
+        head = chains.head(home, len(self.membership["servers"]), self.cfg.replicas, self.dead_servers,
+                           self.joined_servers)
+        if head is None:
+            raise self.failure or NodeFailure(f"every server holding the key ranges of S{home} is dead")
+        return f"S{head}"
+
+    def live_servers(self):
+        """The ranks of the servers still alive (all but the dead of a replicated job)."""
+        return [r for r in range(len(self.membership["servers"])) if r not in self.dead_servers]
+
+    def on_servers(self, meta):
+        """A server died and its chains closed up: what this worker had in flight to it goes, same
+        ids, to the new heads of their ranges (they apply nothing twice); what names no range
+        (STATS, SET_OPTIMIZER, JOIN) fails."""
+        dead = set(meta["dead"])
+        for rank in dead:
+            self.van.disconnect(f"S{rank}")
+        rank = parse_name(meta["node"])[1]
+        if rank not in dead:            # a new server took a dead one's rank: reach it at its address
+            host, port, _ = self.membership["servers"][rank]
+            self.van.connect(f"S{rank}", host, port)
+
+        def peer_for(header):
+            home = header.meta.get("home")
+            return None if home is None else self.server_peer(home)
+        for rank in sorted(dead):
+            for peer, header, payloads in self.requests.redirect(f"S{rank}", peer_for):
+                self.van.send(peer, header, payloads)
+            self.requests.fail(NodeFailure(f"server S{rank} died: {meta['reason']}"), peer=f"S{rank}")
 
     def on_failure(self, node, failure):
         # A DEALER keeps what is queued for a dead peer until it comes back, which it never does:

@@ -62,6 +62,7 @@ class Op(enum.IntEnum):
     ERROR = 9
     NODE_LEFT = 10
     WORKERS = 11
+    SERVERS = 12
     # data: worker -> server
     INIT = 20
     PUSH = 21
@@ -76,6 +77,8 @@ class Op(enum.IntEnum):
     SAVE = 30
     LOAD = 31
     ATTACH = 35
+    # data: server -> server (chain replication)
+    STATE = 36
     # data: worker -> worker
     RING = 40
 
@@ -196,6 +199,13 @@ _SHM_IN = Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: entri
 _SHM_INTO = Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: where to write the entries' "
                                                   "values in shared memory instead of sending them", required=False)
 
+# Chain replication (KVPS_REPLICAS; server/replication.py): which key range a data request is for,
+# and whether it is a copy an upstream server of that range's chain forwarded.
+_HOME = Field(INT, "the home rank of the entries' key range (KVPS_REPLICAS: it picks the chain)", required=False)
+_CHAIN = Field(BOOL, "a copy forwarded along the range's chain by the server before this one, which gets "
+                     "the reply (a PUSHPULL copy is applied as its push and answered with ACK)", required=False)
+_REPLICATED = {"home": _HOME, "chain": _CHAIN}
+
 SCHEMA = {
     Op.REGISTER: Message("node -> H", "join the job; answered with MEMBERSHIP once every node has registered", {
         "role": Field(STR, "server or worker"),
@@ -219,6 +229,9 @@ SCHEMA = {
         "incarnation": Field(INT, "the scheduler's random id (see ACK)", required=False),
         "late": Field(BOOL, "the receiver joined a running job (KVPS_ELASTIC): its init sets no value, "
                             "it reads the current ones", required=False),
+        "dead": Field(ListOf(INT), "KVPS_REPLICAS: the dead servers (a server that joined late)", required=False),
+        "joined": Field(ListOf(INT), "KVPS_REPLICAS: the servers that took a dead one's rank, in the order they "
+                                     "joined (kvps/wire/chains.py)", required=False),
     }),
     Op.BARRIER: Message("node -> H", "wait for a group; answered with ACK once every live member has arrived", {
         "group": Field(STR, "workers, servers or all"),
@@ -247,10 +260,12 @@ SCHEMA = {
         "bytes": Field(INT, "SAVE replies: its size", required=False),
         "checksum": Field(INT, "SAVE replies: the CRC-32 of its header, which holds each tensor's CRC-32",
                           required=False),
+        "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is", required=False),
     }),
     Op.ERROR: Message("reply", "the request failed; the receiver raises the kind's exception with the message", {
         "kind": Field(STR, "value, key, protocol, node or error (kvps.errors.REMOTE_KINDS)"),
         "message": Field(STR, "what was wrong, naming the bad value"),
+        "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is", required=False),
     }),
     Op.NODE_LEFT: Message("H -> all", "a worker left on purpose (FINALIZE); not a failure", {
         "node": Field(STR, "the name of the worker that left"),
@@ -262,16 +277,26 @@ SCHEMA = {
         "change": Field(STR, "removed or joined"),
         "reason": Field(STR, "why"),
     }),
+    Op.SERVERS: Message("H -> all", "chain replication (KVPS_REPLICAS): a server died and the next live server "
+                                    "of each chain it was in takes its place (kvps/wire/chains.py)", {
+        "dead": Field(ListOf(INT), "the ranks of every dead server so far"),
+        "node": Field(STR, "the server that died, or joined"),
+        "reason": Field(STR, "why it is deemed dead, or who took its rank"),
+        "joined": Field(ListOf(INT), "the servers that took a dead one's rank, in the order they joined; each "
+                                     "is the tail of its chains once the old tail has sent it the state (STATE)",
+                        required=False),
+        "servers": Field(_ADDRESSES, "[host, port, pid] of every server, by rank (when one joined)", required=False),
+    }),
     Op.INIT: Message("worker -> server", "declare keys: rank 0's entries carry the initial values, the other "
-                                         "ranks' the shapes only; answered with ACK"),
+                                         "ranks' the shapes only; answered with ACK", dict(_REPLICATED)),
     Op.PUSH: Message("worker -> server", "add the entries' payloads into their keys; answered with ACK",
-                     {"codec": _CODEC, "shm": _SHM_IN}),
+                     {"codec": _CODEC, "shm": _SHM_IN, **_REPLICATED}),
     Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE",
-                     {"into": _SHM_INTO, "pull": _PULL}),
+                     {"into": _SHM_INTO, "pull": _PULL, "home": _HOME}),
     Op.PUSHPULL: Message("worker -> server", "PUSH, then PULL of the same entries; answered with VALUE",
-                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "pull": _PULL}),
+                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "pull": _PULL, **_REPLICATED}),
     Op.ROW_SPARSE_PULL: Message("worker -> server", "read some rows: each entry's payload holds int64 row ids "
-                                                    "local to its part; answered with VALUE"),
+                                                    "local to its part; answered with VALUE", {"home": _HOME}),
     Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
         "generation": Field(INT, "how many optimizers the worker has set; servers keep the newest"),
         "spec": Field(Record({"name": Field(STR, "the rule's name in the server's registry"),
@@ -292,6 +317,27 @@ SCHEMA = {
         "fd": Field(INT, "the memfd's descriptor in that process (opened through /proc/<pid>/fd/<fd>)"),
         "segment": Field(INT, "the segment's number, named by later requests"),
         "nonce": Field(BYTES, "the 16 bytes the worker wrote at the segment's start"),
+    }),
+    Op.STATE: Message("server -> server", "chain replication: the old tail of a chain sends the server that "
+                                          "joined its tail the state of the chain's ranges, then forwards to it "
+                                          "(server/replication.py); an entry per array, in the order of `slots`", {
+        "home": Field(INT, "the home rank whose ranges these are"),
+        "optimizer": Field(Record({"generation": Field(INT, "as SET_OPTIMIZER's"),
+                                   "name": Field(STR, "the rule's name in the server's registry"),
+                                   "params": Field(MapOf(SCALAR), "the rule's parameters")}),
+                           "the update rule the sender runs", required=False),
+        "slots": Field(ListOf(Record({
+            "version": Field(INT, "updates applied"),
+            "pushes": Field(ListOf(Tuple((INT, INT))), "[worker, clock] (kvps/ps/clocks.py), less the pushes below"),
+            "seen": Field(ListOf(Tuple((INT, INT))), "[worker, version its last pull received]"),
+            "count": Field(INT, "the update rule's step count (absent: no rule state)", required=False),
+            "arrays": Field(ListOf(STR), "what each of this slot's entries after its value is: master, state<j> or "
+                                         "none (a state array the rule does not keep), push <worker> (a push "
+                                         "waiting in the open round), rows (the row ids of the push before)"),
+        })), "per slot, its counters and how many entries follow its value entry"),
+        "window": Field(ListOf(Tuple((STR, INT, ListOf(INT), ListOf(INT)))),
+                        "[worker, highest id forgotten, ids answered, ids answered with values] of the range's "
+                        "requests (kvps/wire/window.py): asked again, they are not applied twice"),
     }),
     Op.STATS: Message("worker -> server", "ask for the server's counters; the reply (STATS too) has these fields", {
         "pushes": Field(INT, "entries pushed", required=False),
@@ -316,10 +362,12 @@ SCHEMA = {
                             required=False),
         "shared": Field(INT, "entries whose payload or value went through shared memory (kvps/wire/shm.py)",
                         required=False),
+        "forwarded": Field(INT, "requests forwarded to the next server of a key range's chain (KVPS_REPLICAS)",
+                           required=False),
     }),
     Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
     Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "
-                                                    "part, then those rows; answered with ACK"),
+                                                    "part, then those rows; answered with ACK", dict(_REPLICATED)),
     Op.SAVE: Message("W0 -> server", "checkpoint: copy every key's value, optimizer state and counters now, then "
                                      "write them as one shard file on a background thread; answered with ACK "
                                      "(file, bytes, checksum) once the file is durable (docs/checkpoint.md)", {
@@ -328,12 +376,15 @@ SCHEMA = {
         "hold": Field(BOOL, "every worker waits for this save (kv.save): write the live state, holding back "
                             "requests that would change it until written, instead of copying it first",
                       required=False),
+        "home": Field(INT, "KVPS_REPLICAS: save the ranges of this home rank (the shard is named after it)",
+                      required=False),
     }),
     Op.LOAD: Message("W0 -> server", "restore the entries' (key, part)s from checkpoint `path`, whatever server "
                                      "count saved it (the server reads the rows it now holds); answered with ACK", {
         "path": Field(STR, "the checkpoint directory"),
         "rows": Field(ListOf(INT), "per entry: the first row of its part within its key"),
         "what": Field(STR, "all (values, optimizer state, counters) or optimizer (state and step counts only)"),
+        **_REPLICATED,
     }),
     Op.RING: Message("worker -> worker", "one chunk of a ring all-reduce step, sent to the right neighbour", {
         "seq": Field(INT, "the collective's number (every worker runs them in the same order)"),

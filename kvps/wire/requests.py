@@ -9,8 +9,14 @@ With resends on (KVPS_RESEND_TIMEOUT, or KVPS_FAULTS), a data request unanswered
 timeout is sent again with the same id, the timeout doubling each time up to MAX_RESEND_INTERVAL;
 the server answers an id once (kvps/wire/window.py) and a second reply to an id already answered is
 ignored here, so lost and duplicated messages change nothing but the time a call takes.
+
+With chain replication (KVPS_REPLICAS, `keep_data`), every data request is kept until answered,
+and when its server dies `redirect` hands it over, same id, to the server that now heads its
+key range's chain (kvps/wire/chains.py), which answers an id it already applied without applying it
+again.
 """
 import itertools
+import math
 import threading
 import time
 
@@ -110,7 +116,7 @@ class Requests:
     `resend_after` > 0: requests added with a message to resend are offered again by `overdue`
     once that many seconds pass without a reply (see the module docstring)."""
 
-    def __init__(self, resend_after=0.0, keep_control=False):
+    def __init__(self, resend_after=0.0, keep_control=False, keep_data=False):
         self._ids = itertools.count(1)
         self._pending = {}              # id -> (handle, peer, on_reply)
         self._lock = threading.Lock()
@@ -120,6 +126,8 @@ class Requests:
         self.resent = 0                 # requests sent again
         self.keep_control = keep_control    # keep requests to the scheduler, for a recovered one
         self._control = {}              # id -> (peer, header, payloads)
+        self.keep_data = keep_data      # keep data requests for redirect (never due for a resend)
+        self.moved = {}                 # dead peer -> peer_for(header) of its redirect: later requests too
 
     def add(self, handle, peer, on_reply=None, message=None, control=False):
         """Register a request to `peer`; returns its id. on_reply(header, payloads) runs on the
@@ -130,14 +138,16 @@ class Requests:
         with self._lock:
             if self.failure is not None:
                 raise self.failure
+            if peer in self.moved and message is not None:     # routed before its server's death was known
+                peer = self.moved[peer](message[0]) or peer
             self._pending[request_id] = (handle, peer, on_reply)
             handle._expect(request_id, peer)
             if control:
                 if message is not None and self.keep_control and message[0].op != Op.REGISTER:
                     self._control[request_id] = (peer, *message)
-            elif message is not None and self.resend_after > 0:
-                self._resend[request_id] = [time.monotonic() + self.resend_after, self.resend_after,
-                                            peer, *message]
+            elif message is not None and (self.resend_after > 0 or self.keep_data):
+                after = self.resend_after or math.inf
+                self._resend[request_id] = [time.monotonic() + after, after, peer, *message]
         return request_id
 
     def overdue(self, now=None):
@@ -153,6 +163,34 @@ class Requests:
                     out.append((entry[2], entry[3], entry[4]))
             self.resent += len(out)
         return out
+
+    def redirect(self, dead, peer_for):
+        """Hand the unanswered data requests to `dead` to peer_for(header) (a name, or None to fail
+        them with the job); returns [(peer, header, payloads)] to send, oldest first (I/O thread)."""
+        out = []
+        with self._lock:
+            self.moved[dead] = peer_for
+            for request_id in sorted(self._resend):
+                entry = self._resend[request_id]
+                if entry[2] != dead:
+                    continue
+                peer = peer_for(entry[3])
+                if peer is None:
+                    continue
+                entry[2] = peer
+                handle, _, on_reply = self._pending[request_id]
+                self._pending[request_id] = (handle, peer, on_reply)
+                with handle._lock:
+                    handle._waiting[request_id] = peer
+                out.append((peer, entry[3], entry[4]))
+            self.resent += len(out)
+        return out
+
+    def peer_of(self, request_id, peer):
+        """The peer an added request went to (another than asked when its server had died)."""
+        with self._lock:
+            entry = self._pending.get(request_id)
+        return peer if entry is None else entry[1]
 
     def answer(self, header, payloads):
         """Match a reply to its request (I/O thread). Returns False for an unknown id."""

@@ -71,3 +71,28 @@ class Window:
         """Drop the windows of every client with this name (a worker removed from the job)."""
         for client in [c for c in self._clients if c[0] == name]:
             del self._clients[client]
+
+    def export(self, clients):
+        """[(client, floor, ids answered without values, ids to recompute)] of these clients, for
+        a server that takes over their requests (chain replication's handover). An id still being
+        handled counts as answered: the state handed over holds it."""
+        out = []
+        for client in clients:
+            seen = self._clients.get(client)
+            if seen is not None:
+                ids, floor = seen
+                out.append((client, floor, [i for i, state in ids.items() if state is not RECOMPUTE],
+                            [i for i, state in ids.items() if state is RECOMPUTE]))
+        return out
+
+    def adopt(self, client, floor, answered, recompute, reply):
+        """Take a client's window from export(); reply(id) makes the Header its answered ids get again."""
+        ids = collections.OrderedDict((i, reply(i)) for i in answered[-self.size:])
+        ids.update((i, RECOMPUTE) for i in recompute[-self.size:])
+        self._clients[client] = [ids, floor]
+        while len(self._clients) > self.max_clients:
+            self._clients.popitem(last=False)
+
+    def clients(self):
+        """Every client with a window (least recently used first)."""
+        return list(self._clients)

@@ -316,3 +316,47 @@ def test_sigterm_to_the_launcher_stops_the_whole_job(tmp_path):
     from harness import wait_for
     wait_for(lambda: not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
                              for c in children), 15, "the launcher's children to exit")
+
+
+STEPS = r'''
+import json, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("x", np.zeros(3, np.float32))
+out = np.zeros(3, np.float32)
+for step in range(80):
+    kv.pushpull("x", np.full(3, step, np.float32), out=out)
+    if step == 5:
+        print("training", flush=True)
+    time.sleep(0.05)
+print(json.dumps({"rank": kv.rank, "x": out.tolist()}), flush=True)
+'''
+
+
+def test_launch_with_replicas_survives_a_killed_server(tmp_path):
+    """kvps launch --replicas 1: kill -9 of a server is named, the job goes on at its replicas and
+    ends with 0, and the workers' results are those of a job without the failure."""
+    import signal as sig
+    from harness import wait_for
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
+    proc = subprocess.Popen([PY, "-m", "kvps.cli", "launch", "-n", "2", "-s", "2", "--replicas", "1", "--",
+                             PY, str(script)], env=dict(os.environ, **FAST_ENV), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines = []
+    try:
+        for line in proc.stdout:                     # bounded: the workers stop after 80 steps
+            lines.append(line)
+            if line.startswith("[W1] training"):
+                break
+        wait_for(lambda: _node_pid(proc.pid, "server", 1), 10, "S1's pid")
+        os.kill(_node_pid(proc.pid, "server", 1), sig.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text
+    assert "[launch] S1 was killed by SIGKILL" in text and "go on at their replicas (KVPS_REPLICAS=1)" in text, text
+    results = [json.loads(line.split("] ", 1)[1]) for line in text.splitlines() if line.startswith("[W") and "{" in line]
+    assert [r["x"] for r in results] == [[2.0 * 79] * 3] * 2, text    # a round's value: the sum of its pushes

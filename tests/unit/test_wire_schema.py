@@ -77,8 +77,8 @@ def test_the_servers_stats_fit_the_schema():
 
 
 @pytest.mark.parametrize("op,meta,message", [
-    (Op.PUSH, {"x": 1}, "PUSH meta has an unknown field 'x' (PUSH takes codec, shm)"),
-    (Op.PULL, {"codec": None}, "PULL meta has an unknown field 'codec' (PULL takes into, pull)"),
+    (Op.PUSH, {"x": 1}, "PUSH meta has an unknown field 'x' (PUSH takes codec, shm, home, chain)"),
+    (Op.PULL, {"codec": None}, "PULL meta has an unknown field 'codec' (PULL takes into, pull, home)"),
     (Op.VALUE, {"shm": [0, "1"]}, "VALUE meta field 'shm' is [0, '1'], expected list of int"),
     (Op.PUSH, {"shm": [[0, 1]]}, "PUSH meta field 'shm' is [[0, 1]], expected list of [int, int, int]"),
     (Op.PUSH, {7: 1}, "PUSH meta has an unknown field 7"),
@@ -170,3 +170,7 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit(__doc__)
     write_doc()
+
+
+def test_every_op_has_a_code_of_its_own():
+    assert len(Op.__members__) == len(set(Op)), "two ops share a code (an IntEnum alias)"

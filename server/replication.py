@@ -1,0 +1,167 @@
+"""Chain replication on a server (KVPS_REPLICAS; docs/replication.md).
+
+The key ranges of home rank h are held by the chain h, h+1, ..., h+R of servers (kvps/wire/chains.py);
+workers send to its head. A member that handles a request which changes state (INIT, PUSH, the push
+of a PUSHPULL, ROW_SPARSE_PUSH, LOAD) forwards a copy to its successor in the order it handles
+them, so every member applies the same updates in the same order, bit for bit; and it holds its
+own reply until the successor has answered the copy, so a reply to a worker means every live
+member has applied the update:
+
+    chain = Chain(server)
+    fwd = chain.begin(header, payloads)     # before the handler runs (its reply may come at once)
+    chain.send(fwd)                         # the handler took it: the copy goes to the successor
+    chain.hold(routing_id, request, ...)    # in Server.answer: True while the copy is unanswered
+    chain.acked(peer, reply)                # the successor's reply: the held answer goes out
+
+Copies keep the worker's request id and name (meta "chain" marks them; their replies name the
+worker in meta "for"), so a server's window (kvps/wire/window.py) sees one stream of ids per worker
+and range whether they came from the worker or along the chain. When a server dies the scheduler
+says so (SERVERS): every chain closes up, copies waiting on the dead one go to the next member (which
+answers one it has already applied without applying it again), and the workers send what they had
+in flight to the new head the same way (kvps/wire/requests.py). When a new server takes a dead one's
+rank it joins the tail of that rank's chains, and the old tail hands it the state first
+(server/handover.py).
+"""
+import dataclasses
+import logging
+
+from kvps.wire import chains
+from server import handover
+from kvps.wire.membership import node_name
+from kvps.wire.protocol import Header, Op
+
+log = logging.getLogger("kvps.server")
+
+FORWARDED = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.LOAD})
+LOCAL_META = ("shm", "into", "pull")    # about the worker's link to this server: not for the next one
+
+
+@dataclasses.dataclass
+class Forward:
+    """A copy sent along the chain and the reply it holds back."""
+    home: int
+    peer: str                   # the successor it went to
+    header: Header              # the copy
+    payloads: list
+    answer: tuple = None        # (routing_id, request, reply, payloads) once this server has answered
+    acked: bool = False
+    error: Header = None        # the successor's ERROR, which replaces this server's own reply
+
+
+class Chain:
+    """One server's part in the chains it belongs to (see the module docstring)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.replicas = server.cfg.replicas
+        self.num_servers = len(server.membership["servers"])
+        self.dead = set(server.membership.get("dead", ()))
+        self.joined = list(server.membership.get("joined", ()))      # kvps/wire/chains.py
+        self.pending = {}                   # (worker name, request id) -> Forward
+        self.connected = set()
+        self.forwarded = 0                  # copies sent (for server_stats)
+
+    def successor(self, home):
+        return chains.successor(home, self.server.rank, self.num_servers, self.replicas, self.dead, self.joined)
+
+    def begin(self, header, payloads):
+        """The Forward for a request this server is about to handle, or None (no copy needed)."""
+        home = header.meta.get("home")
+        if header.op not in FORWARDED or home is None:
+            return None
+        nxt = self.successor(home)
+        if nxt is None:
+            return None
+        meta = {k: v for k, v in header.meta.items() if k not in LOCAL_META}
+        meta["chain"] = True
+        copy = Header(header.op, header.id, header.src, header.keys, meta)
+        fwd = Forward(home, node_name("server", nxt), copy, list(payloads))
+        self.pending[(header.src, header.id)] = fwd
+        return fwd
+
+    def cancel(self, fwd):
+        """The handler refused the request: no copy goes, and its ERROR is sent at once."""
+        self.pending.pop((fwd.header.src, fwd.header.id), None)
+
+    def send(self, fwd):
+        self._connect(fwd.peer)
+        self.forwarded += 1
+        self.server.van.send(fwd.peer, fwd.header, fwd.payloads)
+
+    def hold(self, routing_id, request, reply, payloads):
+        """True when this reply must wait for the successor (it is kept, its payloads copied: the
+        values they view may change before it goes); False: send it now (possibly as the
+        successor's ERROR, which `reply` then is)."""
+        fwd = self.pending.get((request.src, request.id))
+        if fwd is None or fwd.answer is not None:
+            return False
+        if not fwd.acked:
+            fwd.answer = (routing_id, request, reply, [bytes(memoryview(p)) for p in payloads])
+            return True
+        del self.pending[(request.src, request.id)]
+        return False
+
+    def acked(self, peer, reply):
+        """A successor answered a copy (I/O thread)."""
+        key = (reply.meta.get("for"), reply.id)
+        fwd = self.pending.get(key)
+        if fwd is None or fwd.peer != peer:
+            return          # a copy re-sent to a later successor, or one answered twice
+        fwd.acked = True
+        if reply.op == Op.ERROR:
+            log.error("%s: %s refused a copy of %s from %s: %s", self.server.name, peer, reply.op.name,
+                      key[0], reply.meta.get("message"))
+            fwd.error = reply
+        if fwd.answer is not None:
+            self._release(key, fwd)
+
+    def _release(self, key, fwd):
+        del self.pending[key]
+        routing_id, request, reply, payloads = fwd.answer
+        if fwd.error is not None and reply.op != Op.ERROR:
+            reply = Header(Op.ERROR, request.id, self.server.name,
+                           meta={"kind": fwd.error.meta.get("kind", "error"),
+                                 "message": f"replica {fwd.peer}: {fwd.error.meta.get('message', '')}"})
+            payloads = []
+        self.server.send_answer(routing_id, request, reply, payloads)
+
+    def changed(self, meta):
+        """The scheduler's SERVERS (on the I/O thread). A server died: every chain closes up, and
+        the copies the dead one held go on to the next member, or, where this server is now a
+        chain's tail, count as applied. A server joined: where this server is the tail it joins,
+        it hands it the chain's state (server/handover.py) before any copy, then forwards to it."""
+        homes = chains.homes_of(self.server.rank, self.num_servers, self.replicas)
+        before = {home: self.successor(home) for home in homes}
+        self.dead, self.joined = set(meta["dead"]), list(meta.get("joined", ()))
+        if "servers" in meta:
+            self.server.membership = dict(self.server.membership, servers=meta["servers"])
+        for rank in self.dead:          # a DEALER would keep what is queued for it for good
+            peer = node_name("server", rank)
+            if peer in self.connected:
+                self.server.van.disconnect(peer)
+                self.connected.discard(peer)
+        for home in homes:
+            nxt = self.successor(home)
+            if nxt is not None and nxt != before[home] and nxt in self.joined:
+                self._connect(node_name("server", nxt))
+                header, payloads = handover.state(self.server, home)
+                self.server.van.send(node_name("server", nxt), header, payloads)
+                log.warning("%s: handed the ranges of S%d (%d slots) to S%d, which joined their chain",
+                            self.server.name, home, len(header.meta["slots"]), nxt)
+        for key, fwd in list(self.pending.items()):
+            if int(fwd.peer[1:]) not in self.dead or fwd.acked:
+                continue
+            nxt = self.successor(fwd.home)
+            if nxt is None:
+                fwd.acked = True
+                if fwd.answer is not None:
+                    self._release(key, fwd)
+                continue
+            fwd.peer = node_name("server", nxt)
+            self.send(fwd)
+
+    def _connect(self, peer):
+        if peer not in self.connected:
+            host, port, _ = self.server.membership["servers"][int(peer[1:])]
+            self.server.van.connect(peer, host, port)
+            self.connected.add(peer)
