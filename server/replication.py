@@ -48,6 +48,22 @@ class Forward:
     error: Header = None        # the successor's ERROR, which replaces this server's own reply
 
 
+class Held:
+    """The zmq tracker of a held reply (Store.sent): not done while the reply is held, then as
+    zmq's tracker of it says (a small reply is copied when it is sent: it has none)."""
+
+    def __init__(self):
+        self.tracker = None
+        self.held = True
+
+    def bind(self, tracker):
+        self.tracker = tracker
+
+    @property
+    def done(self):
+        return not self.held and (self.tracker is None or self.tracker.done)
+
+
 class Chain:
     """One server's part in the chains it belongs to (see the module docstring)."""
 
@@ -88,15 +104,18 @@ class Chain:
         self.forwarded += 1
         self.server.van.send(fwd.peer, fwd.header, fwd.payloads)
 
-    def hold(self, routing_id, request, reply, payloads):
-        """True when this reply must wait for the successor (it is kept, its payloads copied: the
-        values they view may change before it goes); False: send it now (possibly as the
-        successor's ERROR, which `reply` then is)."""
+    def hold(self, routing_id, request, reply, payloads, on_tracker=None):
+        """True when this reply must wait for the successor (it is kept; payloads that view slot
+        values count as being sent from now on, so the store copies a value before it changes one,
+        Store._own); False: send it now (possibly as the successor's ERROR, which `reply` then is)."""
         fwd = self.pending.get((request.src, request.id))
         if fwd is None or fwd.answer is not None:
             return False
         if not fwd.acked:
-            fwd.answer = (routing_id, request, reply, [bytes(memoryview(p)) for p in payloads])
+            tracker = Held()
+            if on_tracker is not None:
+                on_tracker(tracker)
+            fwd.answer = (routing_id, request, reply, list(payloads), tracker)
             return True
         del self.pending[(request.src, request.id)]
         return False
@@ -117,13 +136,14 @@ class Chain:
 
     def _release(self, key, fwd):
         del self.pending[key]
-        routing_id, request, reply, payloads = fwd.answer
+        routing_id, request, reply, payloads, tracker = fwd.answer
+        tracker.held = False
         if fwd.error is not None and reply.op != Op.ERROR:
             reply = Header(Op.ERROR, request.id, self.server.name,
                            meta={"kind": fwd.error.meta.get("kind", "error"),
                                  "message": f"replica {fwd.peer}: {fwd.error.meta.get('message', '')}"})
             payloads = []
-        self.server.send_answer(routing_id, request, reply, payloads)
+        self.server.send_answer(routing_id, request, reply, payloads, tracker.bind)
 
     def changed(self, meta):
         """The scheduler's SERVERS (on the I/O thread). A server died: every chain closes up, and

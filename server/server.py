@@ -274,7 +274,7 @@ class Server(Node):
     def answer(self, routing_id, request, reply, payloads=(), on_tracker=None):
         """Send the reply to a request (once the rest of its chain has applied it, KVPS_REPLICAS),
         and remember it (or that it carried values) in the window."""
-        if self.chain is not None and self.chain.hold(routing_id, request, reply, payloads):
+        if self.chain is not None and self.chain.hold(routing_id, request, reply, payloads, on_tracker):
             return
         self.send_answer(routing_id, request, reply, payloads, on_tracker)
 

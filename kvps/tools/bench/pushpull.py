@@ -78,6 +78,9 @@ def parser():
     p.add_argument("--metrics", action="store_true",
                    help="also run kvps with KVPS_METRICS_PORT=0 (every node serves Prometheus metrics) in the same "
                         "run, and report their cost (docs/observability.md)")
+    p.add_argument("--replicas", type=int, default=0, metavar="R",
+                   help="also run kvps with KVPS_REPLICAS=R (chain replication, over TCP) in the same run, and "
+                        "report its cost against kvps and, with --tcp, kvps over TCP (docs/replication.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's output to stderr")
     return p
 
@@ -91,6 +94,8 @@ def _args(argv):
         p.error(f"--timeout {args.timeout:g} must be positive")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat} must be at least 1")
+    if args.replicas and not 0 < args.replicas < args.servers:
+        p.error(f"--replicas {args.replicas} needs more servers than replicas (-s {args.servers})")
     if args.resnet_steps is not None and args.resnet_steps < 0:
         p.error(f"--resnet-steps {args.resnet_steps} must not be negative")
     try:
@@ -332,6 +337,16 @@ def cost_report(title, column, plain_rows, other_rows):
     return "\n".join(lines)
 
 
+def replicas_report(replicas, plain_rows, tcp_rows, replicated_rows):
+    """kvps with chain replication (KVPS_REPLICAS) against the same kvps without, and without over TCP."""
+    text = cost_report(f"Replication cost: the same job with KVPS_REPLICAS={replicas} (which runs over TCP), in the "
+                       f"same run; ratio = replicated / plain.", "replicated", plain_rows, replicated_rows)
+    if tcp_rows:
+        text += "\n\n" + cost_report(f"The same against kvps over TCP (KVPS_SHM=0); ratio = replicated / TCP.",
+                                      "replicated", tcp_rows, replicated_rows)
+    return text
+
+
 def _kernels():
     try:
         from kvps import kernels
@@ -345,10 +360,12 @@ def measure(args, plan, tmp):
     plan_path = os.path.join(tmp, "plan.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)
-    runs = {"kvps": [], "MXNet": [], "kvps TCP": [], "kvps CURVE": [], "kvps TCP CURVE": [], "kvps metrics": []}
+    runs = {"kvps": [], "MXNet": [], "kvps TCP": [], "kvps CURVE": [], "kvps TCP CURVE": [], "kvps metrics": [],
+            "kvps replicated": []}
     kvps = ("kvps",) + (("kvps TCP",) if args.tcp else ())
     systems = kvps + (tuple(f"{k} CURVE" for k in kvps) if args.curve else ()) + \
-        (("kvps metrics",) if args.metrics else ()) + (("MXNet",) if args.mxnet else ())
+        (("kvps metrics",) if args.metrics else ()) + (("kvps replicated",) if args.replicas else ()) + \
+        (("MXNet",) if args.mxnet else ())
     progress = Progress(args.repeat * len(systems), "benchmark jobs")     # a bar with an ETA on a terminal
     for i in range(args.repeat):
         # Alternating the systems spreads a shared machine's slow spells over both.
@@ -361,7 +378,9 @@ def measure(args, plan, tmp):
             else:
                 rows = run_kvps(args, plan_path, dict({"KVPS_SHM": "0"} if "TCP" in system else {},
                                                       **({"KVPS_CURVE": "1"} if "CURVE" in system else {}),
-                                                      **({"KVPS_METRICS_PORT": "0"} if "metrics" in system else {})))
+                                                      **({"KVPS_METRICS_PORT": "0"} if "metrics" in system else {}),
+                                                      **({"KVPS_REPLICAS": str(args.replicas)}
+                                                         if "replicated" in system else {})))
             _say(f"{system} job done in {time.monotonic() - t:.1f} s")
             lost = missing(plan, rows)
             if lost:
@@ -404,6 +423,9 @@ def main(argv=None):
             print("\n" + curve_report(plain, median_run(runs[plain]), median_run(runs[f"{plain} CURVE"])), flush=True)
     if args.metrics:
         print("\n" + metrics_report(kvps_rows, median_run(runs["kvps metrics"])), flush=True)
+    if args.replicas:
+        print("\n" + replicas_report(args.replicas, kvps_rows, median_run(runs["kvps TCP"]),
+                                     median_run(runs["kvps replicated"])), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "kvps bench pushpull " + shlex.join(argv), "workers": args.workers,
