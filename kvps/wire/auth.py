@@ -124,6 +124,8 @@ class Curve:
             bound = None
         if header.src == bound:
             return None
+        if bound is not None and bound[:1] == "S" and header.meta.get("chain") is True:
+            return None     # a server relays a worker's request along its range's chain (KVPS_REPLICAS)
         why = (f"{header.op.name} claims to come from {escape(header.src, 40)!r}, but its sender's key is "
                f"{escape(bound or 'unknown', 40)}'s")
         self._log((bound, header.src), f"refused a message: {why} (and any more it sends as {escape(header.src, 40)!r})")

@@ -183,20 +183,24 @@ def test_a_checkpoint_saved_after_a_failover_resumes_exactly(cluster, tmp_path):
     assert got == want, (got, want)
 
 
-def test_a_new_server_takes_over_and_the_job_survives_another_death(cluster):
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_a_new_server_takes_over_and_the_job_survives_another_death(cluster, curve):
     """R=1: S1 is killed; a new `kvps server` joins, takes S1's rank and gets the state of its
     chains (values, momentum, open rounds) from their old tails; then S2 is killed too, which
-    without the newcomer would lose S1's ranges. The final weights equal a clean run's, bit for bit."""
+    without the newcomer would lose S1's ranges. The final weights equal a clean run's, bit for bit.
+    With CurveZMQ the newcomer holds S1's key, and servers relay the workers' requests."""
     steps = 60
     clean = cluster(2, 3, env=ENV)
     clean.run_workers(SCRIPT, timeout=90, env={"STEPS": str(steps)})
     expected = _final(clean)
 
-    c = cluster(2, 3, env=ENV)
+    c = cluster(2, 3, env=ENV, curve=curve)
     procs = c.spawn_workers(SCRIPT, env={"STEPS": str(steps), "PAUSE": "0.05"})
     wait_for(lambda: sum("step" in line for line in c.output("W0")) >= 4, 60, "W0 to reach step 4")
     c.proc("S1").kill()
     wait_for(lambda: "go on at their replicas" in (c.dir / "H.err").read_text(), 10, "S1's failover")
+    if curve:
+        c.secrets["S1new"] = c.secrets["S1"]
     c._spawn("S1new", [PY, "-m", "kvps.cli", "server"], ready=True)
     c._ready("S1new")
     took = lambda: (c.dir / "S1new.err").read_text().count("took over the ranges")   # noqa: E731
