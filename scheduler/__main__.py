@@ -4,6 +4,7 @@ import sys
 
 from kvps.config import for_role
 from kvps.errors import KVPSError
+from kvps.wire import connections
 from scheduler.scheduler import Scheduler
 
 
@@ -21,6 +22,7 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    connections.raise_fd_limit()     # a daemon holds a connection per peer (kvps/wire/connections.py)
     try:
         cfg = for_role("scheduler", num_workers=args.num_workers, num_servers=args.num_servers)
         host, port = args.host, args.port

@@ -4,6 +4,7 @@ import sys
 
 from kvps.config import for_role
 from kvps.errors import KVPSError
+from kvps.wire import connections
 from server.server import Server
 from kvps.ps.rules import Registry
 
@@ -20,6 +21,7 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    connections.raise_fd_limit()     # a daemon holds a connection per peer (kvps/wire/connections.py)
     try:
         scheduler = None
         if args.scheduler:

@@ -28,7 +28,6 @@ import socket
 
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from kvps.wire.throttle import escape
 
@@ -87,7 +86,6 @@ class Curve:
         self.zap = ctx.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
         self.zap.bind(ZAP_ENDPOINT)
-        self.monitor = None
         self.sockets = [self.zap]               # what the Van polls for us
         self._refused = set()                   # peers already logged
         self._accepted = {}                     # fd -> peer host of connections in their handshake
@@ -101,8 +99,6 @@ class Curve:
         sock.curve_publickey = self.keys.public
         sock.zap_domain = DOMAIN
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)     # no handler answering: refuse, never admit
-        self.monitor = sock.get_monitor_socket(MONITORED)
-        self.sockets.append(self.monitor)
 
     def server_key(self, peer):
         """The public key a DEALER to `peer` pins; ConfigError when the job's keys have none."""
@@ -133,21 +129,19 @@ class Curve:
 
     # ---- the I/O thread ----
     def handle(self, sock):
-        """Answer waiting ZAP requests, or read waiting monitor events (bounded)."""
+        """Answer waiting ZAP requests (bounded)."""
         for _ in range(BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if sock is self.zap:
-                reply, refusal = self.gate.answer(frames)
-                self.zap.send_multipart(reply)
-                if refusal:
-                    self._log(refusal, refusal)
-            else:
-                self._event(parse_monitor_message(frames))
+            reply, refusal = self.gate.answer(frames)
+            self.zap.send_multipart(reply)
+            if refusal:
+                self._log(refusal, refusal)
 
-    def _event(self, event):
+    def event(self, event):
+        """One event of the ROUTER's socket monitor (the Van reads them: MONITORED)."""
         kind, value = event["event"], event["value"]
         if kind == zmq.EVENT_ACCEPTED:
             if len(self._accepted) < REMEMBERED:
@@ -175,8 +169,6 @@ class Curve:
         self.complaints(log, logging.WARNING, "%s: %s", self.node(), text)
 
     def close(self):
-        if self.monitor is not None:
-            self.monitor.close(0)
         self.zap.close(0)
 
 

@@ -28,8 +28,10 @@ import weakref
 
 import msgpack
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvps.wire import protocol
+from kvps.wire import auth, connections
 from kvps.wire.auth import Curve
 from kvps.wire.schedule import Schedule
 from kvps.wire.throttle import LogThrottle, escape
@@ -93,6 +95,8 @@ class Van:
         self._late_n = itertools.count()
         self._late_until = {}               # peer or routing id -> due of its last delayed message
         self._curve = None                  # kvps.wire.auth.Curve once secure() was called
+        self._monitor = None                # the ROUTER's socket monitor, and what counts its connections
+        self._gate = None
 
     # ---- setup (call before start, or from the I/O thread) ----
     def secure(self, keys):
@@ -109,7 +113,11 @@ class Van:
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             self._curve.serve(sock)
-            self._poller.register(self._curve.monitor, zmq.POLLIN)
+        # connections counted (and refused past the cap, kvps/wire/connections.py); with CURVE, the
+        # handshakes that fail are told too (kvps/wire/auth.py)
+        self._monitor = sock.get_monitor_socket(connections.MONITORED | auth.MONITORED)
+        self._gate = connections.Connections(self.complaints, lambda: self.name)
+        self._poller.register(self._monitor, zmq.POLLIN)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -273,8 +281,10 @@ class Van:
                         except BlockingIOError:
                             pass
                         self._woken = False
+                    elif sock is self._monitor:
+                        self._monitored()
                     elif self._curve is not None and sock in self._curve.sockets:
-                        self._curve.handle(sock)    # ZAP requests and handshake failures
+                        self._curve.handle(sock)    # ZAP requests
                     else:
                         self._drain(sock)
                 self._flush()
@@ -511,6 +521,17 @@ class Van:
         except Exception:           # never let the report of a bad message end the I/O thread
             self.complaints(log, logging.ERROR, "%s: reporting a bad message failed", self.name, exc_info=True)
 
+    def _monitored(self):
+        """Read the ROUTER's socket monitor (bounded: a flood of connections cannot starve the Van)."""
+        for _ in range(auth.BATCH):
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._gate.event(event["event"], event["value"])
+            if self._curve is not None:
+                self._curve.event(event)
+
     def _close(self):
         """Close everything (on the I/O thread as it ends, or in stop() if it never started)."""
         with self._lock:                # no submit is between its check and its wake-up write now
@@ -529,6 +550,9 @@ class Van:
         if dropped:
             log.debug("%s: %d queued items dropped at close", self.name, len(dropped))
         dropped = item = None       # dropped payloads die here: their on_sent runs
+        if self._monitor is not None:
+            self._router.disable_monitor()
+            self._monitor.close(0)
         for sock in list(self._dealers.values()) + ([self._router] if self._router is not None else []):
             sock.close(0)
         if self._curve is not None:

@@ -257,3 +257,36 @@ def test_a_server_whose_io_thread_dies_exits_non_zero_at_once(cluster, tmp_path)
     (line,) = c.output("W0")
     assert line["error"] == "NodeFailure" and "S0" in line["message"], line
     assert time.monotonic() - start < 30
+
+
+def test_a_connection_flood_at_the_fd_limit_is_refused_without_spinning(tmp_path):
+    """400 idle TCP connections to a scheduler whose fd limit is 256: past the cap they are shut
+    down and logged, and the scheduler does not spin (libzmq retries a failed accept for good)."""
+    import shutil
+    import socket
+    if shutil.which("prlimit") is None:
+        import pytest
+        pytest.skip("prlimit (util-linux) is not installed")
+    err = tmp_path / "H.err"
+    proc = subprocess.Popen(["prlimit", "--nofile=256:256", PY, "-m", "kvps.cli", "scheduler", "--port", "0",
+                             "-n", "1", "-s", "1"], stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
+    flood = []
+    try:
+        port = int(proc.stdout.readline().split()[-1].rsplit(":", 1)[1])
+        for _ in range(400):
+            flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        wait_for(lambda: "refused a connection from 127.0.0.1" in err.read_text(), 10, "the refusals")
+
+        def cpu():
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        before = cpu()
+        time.sleep(2.0)
+        assert cpu() - before < 0.5, "the scheduler spins at the fd limit"
+        assert proc.poll() is None
+    finally:
+        for s in flood:
+            s.close()
+        proc.kill()
+        proc.wait(10)
