@@ -7,12 +7,14 @@
 from kvps import optimizer
 from kvps.errors import (KVPSError, ConfigError, ProtocolError, KVTimeoutError, NodeFailure, RemoteError,
                      KernelUnavailable)
+from kvps import kvstore
+from kvps import kvstore as kv          # MXNet's mx.kv.create(...) and mx.kvstore.create(...)
 from kvps.kvstore import KVStore, create
 from kvps.kvstore.allreduce import allreduce
 
 __version__ = "0.1.0"
 
-__all__ = ["create", "allreduce", "KVStore", "optimizer", "KVPSError", "ConfigError", "ProtocolError", "KVTimeoutError",
+__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "KVPSError", "ConfigError", "ProtocolError", "KVTimeoutError",
            "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
 
 

@@ -25,6 +25,7 @@ A PULL or PUSHPULL with meta["pull"] (compressed pull, docs/compression.md) gets
 values compressed when its reply is built, with this server's error feedback per worker, key
 and part (kvps.ps.compression.PullEncoder); a refused request moves none of it.
 """
+import collections
 import logging
 import math
 import os
@@ -162,6 +163,7 @@ class Server(Node):
         self._done = threading.Event()
         self._checkpointing = {}               # save id -> shards of it being written (one per home range)
         self._held = None                      # while one writes the live state: the requests held back
+        self._queued_saves = collections.deque()   # SAVEs that came while another save was being written
         self._finished = queue.SimpleQueue()   # (routing id, request, result) of those threads
         self._finishing = False                # the I/O-thread timer that takes them is set
         self.window = Window()                  # request ids answered, per worker (resends, duplicates)
@@ -647,7 +649,12 @@ class Server(Node):
         if not checkpoint.SHARD.fullmatch(name):
             raise KVValueError(f"SAVE id {quote(save_id)} is not 1 to 64 letters, digits, '-' or '_'")
         if self._checkpointing and save_id not in self._checkpointing:
-            raise KVValueError(f"{self.name} is still writing the previous checkpoint; save one at a time")
+            # Another save is being written (every worker calling kv.save_optimizer_states, say):
+            # this one starts when it is done, so two copies of the state are never held at once.
+            if len(self._queued_saves) >= MAX_EARLY:
+                raise KVValueError(f"{self.name} is writing a checkpoint and already has {MAX_EARLY} more waiting")
+            self._queued_saves.append((routing_id, header, payloads, worker))
+            return
         hold = header.meta.get("hold", False)
         records = self.store.export(copy=not hold)
         if home is not None:        # KVPS_REPLICAS: this range's shard only (replicas hold others)
@@ -725,6 +732,7 @@ class Server(Node):
                     held, self._held = self._held, None
                     for request in held or ():
                         self.on_client(*request)
+                    self._start_queued_saves()
             try:
                 if isinstance(result, Exception):
                     raise result
@@ -733,6 +741,19 @@ class Server(Node):
                 self.answer(routing_id, header, reply)
             except Exception as exc:
                 log.warning("%s: %s failed: %s", self.name, header.op.name, escape(describe(exc)))
+                self.reply_error(routing_id, header, exc)
+
+    def _start_queued_saves(self):
+        """Start the saves that waited for the one just written (those of one save id together)."""
+        while self._queued_saves:
+            routing_id, header, payloads, worker = self._queued_saves[0]
+            if self._checkpointing and header.meta["save"] not in self._checkpointing:
+                return
+            self._queued_saves.popleft()
+            try:
+                self._save(routing_id, header, payloads, worker)
+            except Exception as exc:
+                log.warning("%s: SAVE from %s refused: %s", self.name, quote(header.src), escape(describe(exc)))
                 self.reply_error(routing_id, header, exc)
 
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,

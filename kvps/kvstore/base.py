@@ -119,6 +119,16 @@ class KVStore(abc.ABC):
     def set_optimizer(self, optimizer):
         """Run `optimizer` (a kvps.optimizer.Optimizer) on the stored values at every push."""
 
+    def _set_updater(self, updater):
+        """MXNet's updater function runs only in a 'local' kvstore (kvps/kvstore/local.py). A dist
+        kvstore's servers run no code sent to them, only the optimizers their operator installed."""
+        raise KVPSError(f"a {self.type} kvstore cannot run the updater function {getattr(updater, '__name__', updater)!r}: "
+                        f"its servers run only installed optimizers (use kv.set_optimizer(kvps.optimizer."
+                        f"create('sgd', ...)), or install a rule plugin: docs/optimizers.md); an updater runs "
+                        f"in kvps.create('local')")
+
+    set_updater = _set_updater
+
     @abc.abstractmethod
     def barrier(self):
         """Wait until every worker reaches the barrier."""

@@ -1,11 +1,13 @@
 """The single-process kvstore ('local'): the server's Store, called directly.
 
 It has the same semantics as one worker of dist_sync: a push replaces the value
-with the pushed sum, or applies the optimizer when one is set.
+with the pushed sum, or applies the optimizer when one is set. MXNet's
+`kv._set_updater(fn)` runs fn(key, pushed, stored) instead, changing `stored` in place.
 """
 import numpy as np
 
 from kvps.wire.requests import Handle
+from kvps.errors import KVValueError
 from kvps.kvstore.base import KVStore
 from kvps.ps.store import Store
 from kvps.ps.rules import Registry
@@ -68,8 +70,39 @@ class LocalKVStore(KVStore):
     def set_optimizer(self, optimizer):
         self._store.set_rule(self._registry.create(optimizer.spec()))
 
+    def _set_updater(self, updater):
+        """MXNet's updater: every push runs updater(key, pushed, stored) (numpy arrays; `pushed` is
+        the sum of the push's values) and `stored` is changed in place, as in MXNet's local kvstore."""
+        if not callable(updater):
+            raise TypeError(f"_set_updater needs a function updater(key, pushed, stored), got {updater!r}")
+        self._store.set_rule(_Updater(updater))
+
+    set_updater = _set_updater
+
     def barrier(self):
         pass
+
+
+class _Updater:
+    """A user's updater function in the place of a server optimizer rule (kvps/ps/rules.RuleState)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, slot_id, weight, grad):
+        self.fn(slot_id[0], grad, weight)
+
+    def update_rows(self, slot_id, weight, rows, grad):
+        dense = np.zeros(weight.shape, grad.dtype)
+        dense[rows] = grad
+        self.fn(slot_id[0], dense, weight)
+
+    def export(self, slot_id, copy=True):
+        return None         # an updater's state, if any, lives in the user's function
+
+    def restore_all(self, states, source):
+        raise KVValueError(f"checkpoint {source[0]} holds optimizer state, which a kvstore with an "
+                           f"updater function cannot take: set the optimizer that saved it instead")
 
 
 def _raise(result):

@@ -616,8 +616,8 @@ class DistKVStore(KVStore):
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """MXNet's call, in dist mode too (MXNet refuses there, its issue #15923): one worker saves
         the servers' optimizer state, with the values and counters, as a checkpoint directory
-        `fname`. Not a collective: call it from one worker (MXNet scripts test kv.rank == 0); a
-        second save while one is being written is refused. The optimizer's name and parameters are
+        `fname`. Not a collective: one worker may call it (MXNet scripts test kv.rank == 0), or
+        every worker (each gets a complete checkpoint; the servers write one save at a time). The optimizer's name and parameters are
         always in the manifest (JSON, never pickle); dump_optimizer=True also lets
         load_optimizer_states set it when none is set."""
         self.wait_all()

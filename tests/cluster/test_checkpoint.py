@@ -142,12 +142,14 @@ if os.environ.get("PHASE") == "save":
     kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.05))
     for g in grads[:2]:
         kv.push("w", g); kv.pull("w", out=w)
+    if os.environ.get("EVERY"):     # every worker saves, to a path of its own and to one they share
+        kv.save_optimizer_states(os.environ["STATES"] + str(kv.rank))
     kv.save_optimizer_states(os.environ["STATES"])
     np.save(os.environ["WEIGHTS"], w, allow_pickle=False)
 else:
     kv.init("w", np.load(os.environ["WEIGHTS"], allow_pickle=False))   # a model checkpoint's weights
     kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.05))
-    kv.load_optimizer_states(os.environ["STATES"])
+    kv.load_optimizer_states(os.environ.get("FROM", os.environ["STATES"]))
 kv.push("w", grads[2]); kv.pull("w", out=w)
 print(json.dumps({"digest": hashlib.sha256(w.tobytes()).hexdigest()}), flush=True)
 '''
@@ -158,3 +160,15 @@ def test_mxnet_optimizer_states_in_dist_mode(cluster, tmp_path):
     ((want,),) = cluster(1, 1, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="save"))
     ((got,),) = cluster(1, 2, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="load"))
     assert got == want
+
+
+def test_every_worker_saving_optimizer_states_at_once(cluster, tmp_path):
+    """Gluon's trainer.save_states and unguarded scripts call save_optimizer_states on every worker:
+    the servers write the saves one after another and each is a complete checkpoint."""
+    states = tmp_path / "states"
+    env = {"STATES": str(states), "WEIGHTS": str(tmp_path / "w.npy")}
+    want = cluster(2, 2, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="save", EVERY="1"))
+    assert want[0] == want[1], want
+    for source in (states, tmp_path / "states1"):
+        got = cluster(2, 1, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="load", FROM=str(source)))
+        assert got == want, source

@@ -207,14 +207,19 @@ def test_row_sparse_push_sums_rows_and_updates_only_them(cluster):
 
 
 SURFACE = r'''
-import json, numpy as np, kvps
-kv = kvps.create("Dist_Device_Sync")
+import json, numpy as np, kvps as mx
+kv = mx.kv.create("Dist_Device_Sync")          # import kvps as mx keeps mx.kv.create
 kv._barrier()
+try:
+    kv._set_updater(lambda key, pushed, stored: None)
+    updater = None
+except mx.KVPSError as exc:
+    updater = str(exc)
 capable = kv.is_capable("optimizer")
 try:
-    kvps.allreduce(np.ones(3, np.float32))
+    mx.allreduce(np.ones(3, np.float32))
     second = None
-except kvps.KVPSError as exc:
+except mx.KVPSError as exc:
     second = str(exc)
 kv.init(0, np.zeros((4, 2), np.float32))
 kv.push(0, np.ones((4, 2), np.float32))
@@ -225,7 +230,7 @@ try:
     bad = None
 except ValueError as exc:
     bad = str(exc)
-print(json.dumps({"type": kv.type, "capable": capable, "second": second, "rows": out[:, 0].tolist(), "bad": bad}),
+print(json.dumps({"type": kv.type, "capable": capable, "second": second, "updater": updater, "rows": out[:, 0].tolist(), "bad": bad}),
       flush=True)
 '''
 
@@ -235,6 +240,8 @@ def test_mxnet_names_and_forms(cluster):
     for (line,) in c.run_workers(SURFACE):
         assert line["type"] == "Dist_Device_Sync" and line["capable"] is True, line
         assert "already worker" in line["second"] and "one kvstore per process" in line["second"], line
+        assert "cannot run the updater function '<lambda>'" in line["updater"] and "set_optimizer" in \
+            line["updater"], line
         assert line["rows"] == [0.0, 2.0, 0.0, 2.0], line
         assert "whole numbers" in line["bad"] and "1.5" in line["bad"], line
     assert c.wait_daemons() == [0, 0]

@@ -9,6 +9,52 @@ import kvps
 from kvps.errors import KVKeyError
 
 
+def test_mxnet_kvstore_tutorial_with_an_updater():
+    """MXNet's KVStore tutorial, step by step, numpy in place of NDArray (import kvps as mx)."""
+    mx = kvps
+    kv = mx.kv.create("local")
+    shape = (2, 3)
+    kv.init(3, np.ones(shape) * 2)
+    a = np.zeros(shape)
+    kv.pull(3, out=a)
+    assert (a == 2).all()
+    kv.push(3, np.ones(shape) * 8)
+    kv.pull(3, out=a)
+    assert (a == 8).all()
+    kv.push(3, [np.ones(shape) for _ in range(4)])            # one value per device: summed
+    kv.pull(3, out=a)
+    assert (a == 4).all()
+    seen = []
+
+    def update(key, input, stored):
+        seen.append(key)
+        stored += input * 2
+    kv._set_updater(update)
+    kv.pull(3, out=a)
+    assert (a == 4).all()
+    kv.push(3, np.ones(shape))
+    kv.pull(3, out=a)
+    assert (a == 6).all() and seen == [3]
+    b = [np.zeros(shape) for _ in range(4)]
+    kv.pull(3, out=b)
+    assert all((x == 6).all() for x in b)
+    keys = [5, 7, 9]
+    kv.init(keys, [np.ones(shape)] * len(keys))
+    kv.push(keys, [np.ones(shape)] * len(keys))
+    b = [np.zeros(shape)] * len(keys)
+    kv.pull(keys, out=b)
+    assert (b[1] == 3).all()
+    kv.push(keys, [[np.ones(shape) for _ in range(4)]] * len(keys))
+    c = [[np.zeros(shape) for _ in range(4)] for _ in keys]
+    kv.pull(keys, out=c)
+    assert (c[1][1] == 11).all() and seen == [3, 5, 7, 9, 5, 7, 9]
+    kv.push(5, np.ones((1, 3)), row_ids=[1])                # row-sparse: the updater sees the dense sum
+    kv.pull(5, out=a)
+    assert a.tolist() == [[11] * 3, [13] * 3]
+    with pytest.raises(TypeError, match="updater"):
+        kv._set_updater("sgd")
+
+
 def test_local_push_sums_a_list_and_replaces():
     kv = kvps.create("local")
     kv.init(3, np.ones(4, np.float32))
