@@ -21,11 +21,15 @@ The package is named after torch but shadows nothing: kvps imports torch absolut
 docs/torch.md has the details.
 
 Its modules: session (the modes, the process's kvstore, init, join), broadcast, bucketing,
-optimizer (DistributedOptimizer) and rules (torch optimizers as server-side update rules).
+optimizer (DistributedOptimizer), rules (torch optimizers as server-side update rules) and
+horovod (Horovod's process API: `import kvps.torch as hvd` runs a horovod.torch script).
 """
 import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstring)
 
 from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
+from kvps.torch.horovod import (Adasum, Average, Compression, Sum, allreduce, allreduce_, broadcast, broadcast_,
+                                broadcast_object, cross_rank, cross_size, is_initialized, local_rank, local_size,
+                                rank, shutdown, size)
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
 from kvps.torch.optimizer import DistributedOptimizer
 from kvps.torch.server_optimizer import server_optimizer
@@ -33,4 +37,8 @@ from kvps.torch.session import ASYNC, MODES, SUMMING, Session, init, join
 
 __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "buckets", "server_optimizer", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MODES", "SUMMING", "ASYNC",
-           "Session"]
+           "Session",
+           # Horovod's names (kvps/torch/horovod.py): import kvps.torch as hvd
+           "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_initialized", "shutdown",
+           "allreduce", "allreduce_", "broadcast", "broadcast_", "broadcast_object", "Compression", "Average",
+           "Sum", "Adasum"]

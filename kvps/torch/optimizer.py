@@ -5,11 +5,14 @@ import time
 
 import torch
 
+from kvps.torch import horovod
 from kvps.torch.bucketing import BUCKET_BYTES, buckets
 from kvps.torch.server_optimizer import server_optimizer
 from kvps.torch.session import _SESSION, ASYNC, SUMMING, _telemetry, _type
 
 log = logging.getLogger("kvps.torch")
+
+_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}   # compressions the ring runs as a dtype
 
 
 class _Distributed:
@@ -41,12 +44,16 @@ class _Distributed:
             self._bucket_args = [{"keys": [self._keys[i] for i in members][:16], "nkeys": len(members),
                                   "bytes": sum(self._params[i].numel() * self._params[i].element_size()
                                                for i in members)} for members in self._buckets]
+        # The ring sums what it is given: fp16 or bf16 compression (Horovod's Compression.fp16) casts
+        # each bucket's gradients to that dtype for the collective and back. Servers compress themselves.
+        self._wire = _WIRE.get(compression) if kv.type == "allreduce" and isinstance(compression, str) else None
+        self._lows = [None] * len(self._buckets)
         self._reset()
         self._skip = False
-        if compression is not None:
+        if compression is not None and self._wire is None:
             kv.set_gradient_compression({"type": compression} if isinstance(compression, str) else compression)
         weights = [p.detach() for p in self._params]
-        kv.init(self._keys, weights)
+        kv.init(self._keys, weights if self._wire is None else [w.to(self._wire) for w in weights])
         if mode == "async":
             kv.pull(self._keys, out=weights)           # every worker starts from rank 0's weights
             if update_on == "server":
@@ -120,8 +127,10 @@ class _Distributed:
                 p = self._params[i]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)       # an unused parameter still takes part in the round
-            return self._kv.pushpull([self._keys[i] for i in members], [self._params[i].grad for i in members],
-                                     priority=priority, async_op=True)
+            grads = [self._params[i].grad for i in members]
+            if self._wire is not None:
+                grads = self._lows[b] = [g.to(self._wire) for g in grads]
+            return self._kv.pushpull([self._keys[i] for i in members], grads, priority=priority, async_op=True)
         (i,) = members                                 # async: buckets of one
         p, key = self._params[i], self._keys[i]
         if p.grad is None:
@@ -149,6 +158,11 @@ class _Distributed:
             if timed:
                 self._seen_synced()
             handle.wait()
+        if self._wire is not None:
+            with torch.no_grad():
+                for members, lows in zip(self._buckets, self._lows):
+                    torch._foreach_copy_([self._params[i].grad for i in members], lows)
+            self._lows = [None] * len(self._buckets)
         if timed:
             self._seen_synced()
             for b, (ready, handed, synced) in enumerate(self._times):
@@ -157,7 +171,7 @@ class _Distributed:
         self._kv.wait_all()                            # all done: this only empties the kvstore's list
         with torch.no_grad():
             if self._mode != "async":
-                if self._kv.num_workers > 1:
+                if self._kv.num_workers > 1 and self._average:
                     torch._foreach_div_([p.grad for p in self._params], float(self._kv.num_workers))
             else:
                 torch._foreach_copy_([p.data for p in self._params], self._fresh)
@@ -228,12 +242,12 @@ class _Skip:
         self.opt._skip = False
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compression=None,
+def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compression=None,
                          backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES,
-                         k_steps=None):
+                         k_steps=None, op=None):
     """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
 
-    mode: "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
+    mode: None (the process's kvstore's mode: kvps.torch.init), "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
     (dist_async: update_on="server", the default, runs the optimizer on the servers; "worker"
     steps locally and pushes weight deltas), or "geo" (dist_geo, GEO-SGD: every worker steps
     locally and every k_steps steps sends its weights' change and takes the merged weights;
@@ -245,12 +259,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compress
     allreduce): gradients travel in buckets of about this size (25 MiB, as torch DDP; the first
     bucket at most 1 MiB; on the ring at most KVPS_FUSION_BYTES), each bucket one pushpull, sent
     when its last gradient is ready; 0 sends each parameter on its own. opt.buckets lists them.
+    op (Horovod's): hvd.Average (the default) divides the summed gradients by the number of
+    workers, hvd.Sum leaves the sum (sync, allreduce).
 
     The result shares the wrapped optimizer's param groups and state; use it, not the original.
     Every worker must wrap the same parameters, with the same names, in the same order.
     Raises ValueError for bad arguments and for optimizers the servers cannot run (async)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    if mode is None:
+        mode = _SESSION.mode_of(_SESSION.kvstore(kvstore=kvstore, k_steps=k_steps))
+    average = horovod.reduction(op)
+    if not average and mode not in ("sync", "allreduce"):
+        raise ValueError(f"op=hvd.Sum applies to mode='sync' or 'allreduce', not mode={mode!r}")
     if isinstance(optimizer, _Distributed):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     _type(mode)
@@ -280,6 +301,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode="sync", compress
             vars(opt).setdefault(attr, value)
     opt.state = optimizer.state
     opt._setup(named, mode, compression, backward_passes_per_step, kv, update_on or "server", bucket_bytes)
+    opt._average = average
     return opt
 
 

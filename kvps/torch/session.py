@@ -4,6 +4,7 @@ import collections
 import weakref
 
 import kvps
+from kvps.config import Config
 
 MODES = {"sync": "dist_sync", "async": "dist_async", "allreduce": "allreduce", "geo": "dist_geo"}
 # kvstore types whose pushpull returns the sum of the workers' pushes (when no optimizer is set),
@@ -30,7 +31,7 @@ class Session:
                 self.kv = kvstore
             return kvstore
         if self.kv is None:
-            self.mode = mode or "sync"
+            self.mode = mode or default_mode()
             if self.mode == "geo" and k_steps is None:
                 raise ValueError("mode='geo' needs k_steps=K (the local steps between two syncs)")
             self.kv = kvps.create(_type(self.mode), **({"k_steps": k_steps} if self.mode == "geo" else {}))
@@ -46,6 +47,13 @@ class Session:
         counts[kind] += 1
         return f"kvps.torch/{kind}{counts[kind]}/"
 
+    def mode_of(self, kv):
+        """The mode a kvstore runs: the one it was made for, or the one its type implies."""
+        if kv is self.kv and self.mode is not None:
+            return self.mode
+        return {"dist_async": "async", "allreduce": "allreduce"}.get(kv.type, "geo" if getattr(kv, "mode", None) == "geo"
+                                                                     else "sync")
+
 
 _SESSION = Session()   # the one piece of process state: see Session
 
@@ -57,16 +65,22 @@ def _telemetry(kv):
     return telemetry if telemetry is not None and telemetry.timeline is not None else None
 
 
+def default_mode():
+    """sync in a job with servers; allreduce in one without (kvps launch -s 0), as Horovod runs."""
+    return "allreduce" if Config.from_env().num_servers == 0 else "sync"
+
+
 def _type(mode):
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     return MODES[mode]
 
 
-def init(mode="sync", kvstore=None, k_steps=None):
+def init(mode=None, kvstore=None, k_steps=None):
     """The kvstore kvps.torch uses in this process: `kvstore` if given (adopted), else one created
     with kvps.create for `mode` (sync: dist_sync, async: dist_async, allreduce: allreduce, geo:
-    dist_geo with k_steps=K). Call it first when the first kvps.torch call is not the one that sets
+    dist_geo with k_steps=K; None: sync, or allreduce in a job without servers, so Horovod's
+    hvd.init() runs either way). Call it first when the first kvps.torch call is not the one that sets
     the mode."""
     return _SESSION.kvstore(mode, kvstore, k_steps)
 

@@ -1,0 +1,186 @@
+"""Horovod's process API on kvps, so `import kvps.torch as hvd` runs a horovod.torch script:
+hvd.init(), rank(), size(), local_rank(), local_size(), allreduce, broadcast, broadcast_object,
+Compression, Average and Sum (DistributedOptimizer, broadcast_parameters,
+broadcast_optimizer_state and join are kvps.torch's own, with Horovod's arguments).
+
+Collectives are named by the tensor's `name` (Horovod's name=) or, without one, by its dtype
+and shape: every worker must make the same calls in the same order, as Horovod requires. They
+run on the process's kvstore (kvps.torch.init) as a summing pushpull, so they need a dist_sync
+or allreduce kvstore, not a dist_async one with a server optimizer.
+"""
+import json
+import weakref
+
+import torch
+
+from kvps.torch.broadcast import _broadcast, _broadcast_json
+from kvps.torch.session import _SESSION, SUMMING
+
+
+class ReduceOp:
+    """Horovod's reduction ops: hvd.Average (the default) and hvd.Sum."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"hvd.{self.name}"
+
+
+Average, Sum, Adasum = ReduceOp("Average"), ReduceOp("Sum"), ReduceOp("Adasum")
+
+
+class Compression:
+    """Horovod's hvd.Compression.none and hvd.Compression.fp16, as DistributedOptimizer's
+    compression= takes them (kvps's own names: "fp16", "bf16", "2bit", "1bit", "topk")."""
+    none = None
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+def reduction(op, average=None):
+    """True to average, False to sum, from Horovod's op= (or its older average=)."""
+    if op is not None and average is not None:
+        raise ValueError("give op= or average=, not both (average= is Horovod's older spelling)")
+    if op is None:
+        return True if average is None else bool(average)
+    if op is Adasum:
+        raise ValueError("hvd.Adasum is not supported by kvps: use hvd.Average or hvd.Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"op={op!r} is not hvd.Average or hvd.Sum")
+    return op is Average
+
+
+def _kv():
+    return _SESSION.kvstore()
+
+
+def rank():
+    return _kv().rank
+
+
+def size():
+    return _kv().num_workers
+
+
+def _hosts():
+    """The host of each worker rank, from the scheduler's membership (one host for a local kvstore)."""
+    kv = _kv()
+    node = getattr(kv, "_node", None)
+    membership = getattr(node, "membership", None) or {}
+    workers = membership.get("workers")
+    if not workers:
+        return ["localhost"] * kv.num_workers
+    return [w[0] for w in workers]
+
+
+def local_rank():
+    """This worker's index among the workers on its host (for torch.cuda.set_device)."""
+    hosts = _hosts()
+    me = rank()
+    return sum(1 for r in range(me) if hosts[r] == hosts[me])
+
+
+def local_size():
+    hosts = _hosts()
+    return hosts.count(hosts[rank()])
+
+
+def cross_rank():
+    """The index of this worker's host among the job's hosts (in the order of their first rank)."""
+    hosts = _hosts()
+    return list(dict.fromkeys(hosts)).index(hosts[rank()])
+
+
+def cross_size():
+    return len(set(_hosts()))
+
+
+def is_initialized():
+    return _SESSION.kv is not None
+
+
+def shutdown():
+    """Leave the job (close the process's kvstore); a later kvps.torch call starts no new one."""
+    if _SESSION.kv is not None:
+        _SESSION.kv.close()
+
+
+_DECLARED = weakref.WeakKeyDictionary()       # kvstore -> {allreduce key: (dtype, shape)}
+
+
+def _collective_key(kind, tensor, name):
+    what = name if name is not None else f"{str(tensor.dtype).split('.')[1]}{list(tensor.shape)}"
+    return f"kvps.torch/{kind}/{what}"
+
+
+def allreduce_(tensor, average=None, name=None, op=None):
+    """Sum or average `tensor` over every worker, in place; returns it."""
+    mean = reduction(op, average)
+    if not torch.is_tensor(tensor):
+        raise TypeError(f"allreduce takes a torch tensor, not a {type(tensor).__name__}")
+    kv = _kv()
+    if kv.type not in SUMMING:
+        raise ValueError(f"hvd.allreduce needs a kvstore whose pushpull sums (dist_sync, allreduce); this "
+                         f"process's is {kv.type}")
+    if tensor.numel() == 0:
+        return tensor
+    key = _collective_key("allreduce", tensor, name)
+    value = tensor.detach()
+    work = value if value.device.type == "cpu" and value.is_contiguous() else value.cpu().contiguous()
+    if work.dtype == torch.float32 and getattr(kv, "_codec", None) is not None:
+        # The kvstore compresses float32 values (DistributedOptimizer's compression=, which is
+        # Horovod's per optimizer): Horovod's allreduce is exact, so this one travels as float64.
+        work = work.double()
+    declared = _DECLARED.setdefault(kv, {})
+    if key not in declared:
+        kv.init(key, torch.zeros_like(work))
+        declared[key] = (work.dtype, tuple(work.shape))
+    elif declared[key] != (work.dtype, tuple(work.shape)):
+        raise ValueError(f"hvd.allreduce name={name!r} was {declared[key][0]} {declared[key][1]} and is now "
+                         f"{work.dtype} {tuple(work.shape)}: give each tensor its own name")
+    kv.pushpull(key, work, out=work)
+    if mean and kv.num_workers > 1:
+        work.div_(kv.num_workers) if work.is_floating_point() else work.floor_divide_(kv.num_workers)
+    if work is not value:
+        value.copy_(work)
+    return tensor
+
+
+def allreduce(tensor, average=None, name=None, op=None, compression=None):
+    """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce)."""
+    if compression not in (None, Compression.none):
+        raise ValueError("hvd.allreduce(compression=...) is not supported: compress in DistributedOptimizer")
+    return allreduce_(tensor.detach().clone(), average, name, op)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """Overwrite `tensor` with root_rank's, in place; returns it."""
+    if not torch.is_tensor(tensor):
+        raise TypeError(f"broadcast takes a torch tensor, not a {type(tensor).__name__}")
+    _broadcast([(name or "tensor", tensor)], root_rank, _kv(), "b")
+    return tensor
+
+
+def broadcast(tensor, root_rank, name=None):
+    """root_rank's `tensor`, as a new tensor on every worker."""
+    return broadcast_(tensor.detach().clone(), root_rank, name)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """root_rank's `obj` on every worker. kvps sends it as JSON, never pickle (docs/security.md):
+    dicts, lists, strings, numbers, booleans and None; anything else is a TypeError."""
+    kv = _kv()
+    sent = obj
+    if kv.rank == root_rank:
+        try:
+            json.dumps(obj)
+        except (TypeError, ValueError) as exc:       # every worker hears of it, none waits
+            sent = {_REFUSED: f"broadcast_object sends JSON, never pickle: {exc}"}
+    got = _broadcast_json(sent, root_rank, kv)
+    if isinstance(got, dict) and _REFUSED in got:
+        raise TypeError(f"{got[_REFUSED]} (root_rank {root_rank}'s object)")
+    return got
+
+
+_REFUSED = "kvps.torch: refused"

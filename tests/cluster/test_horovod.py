@@ -1,0 +1,89 @@
+"""A horovod.torch script, written as Horovod's examples write it, runs on kvps with only its import
+changed (`import kvps.torch as hvd`), on a ring job (kvps launch -s 0) and on a server job."""
+
+import numpy as np
+import pytest
+
+HOROVOD = r'''
+import json
+import torch
+import torch.nn.functional as F
+import kvps.torch as hvd
+
+hvd.init()
+torch.manual_seed(42)
+torch.set_num_threads(1)
+out = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+       "cross_size": hvd.cross_size(), "initialized": hvd.is_initialized()}
+g = torch.Generator().manual_seed(0)
+X = torch.randn(256, 10, generator=g)
+Y = (X[:, :5].sum(1) > 0).long()
+shard = range(hvd.rank(), 256, hvd.size())            # DistributedSampler(num_replicas=size, rank=rank)
+model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.5)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     compression=hvd.Compression.fp16, op=hvd.Average)
+
+def metric_average(val, name):
+    return hvd.allreduce(torch.tensor(val), name=name).item()
+
+losses = []
+for epoch in range(3):
+    for i in range(0, len(shard), 16):
+        idx = torch.tensor(list(shard)[i:i + 16])
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(X[idx]), Y[idx])
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        local = F.cross_entropy(model(X[list(shard)]), Y[list(shard)]).item()
+    losses.append({"local": local, "avg": metric_average(local, "avg_loss")})
+out["losses"] = losses
+out["weights"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+counts = hvd.allreduce(torch.tensor([1, hvd.rank()]), op=hvd.Sum)       # unnamed, integer, summed
+out["counts"] = counts.tolist()
+out["from1"] = hvd.broadcast(torch.full((3,), float(hvd.rank())), root_rank=1).tolist()
+out["object"] = hvd.broadcast_object({"epoch": 3, "rank": hvd.rank()}, root_rank=0)
+try:
+    hvd.broadcast_object({"f": lambda: None} if hvd.rank() == 0 else None, root_rank=0)
+except TypeError as exc:
+    out["refused"] = str(exc)
+# op=hvd.Sum leaves the summed gradients; check them against each rank's own
+model2 = torch.nn.Linear(4, 1)
+hvd.broadcast_parameters(model2.state_dict(), root_rank=0)
+opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), model2.named_parameters(),
+                                op=hvd.Sum)
+x = torch.full((2, 4), float(hvd.rank() + 1))
+model2(x).sum().backward()
+out["own_grad"] = model2.weight.grad.reshape(-1).tolist()
+own = model2.weight.grad.clone()
+opt2.synchronize()
+out["sum_grad"] = model2.weight.grad.reshape(-1).tolist()
+print(json.dumps(out), flush=True)
+hvd.shutdown()
+'''
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
+    c = cluster(2, servers)
+    results = [lines[0] for lines in c.run_workers(HOROVOD, timeout=90)]
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert (r["size"], r["local_rank"], r["local_size"], r["cross_size"], r["initialized"]) == \
+            (2, r["rank"], 2, 1, True), r
+        assert r["counts"] == [2, 1] and r["from1"] == [1.0] * 3, r
+        assert r["object"] == {"epoch": 3, "rank": 0}, r
+        assert "never pickle" in r["refused"] and "root_rank 0" in r["refused"], r
+        for epoch, e in enumerate(r["losses"]):
+            mean = np.mean([other["losses"][epoch]["local"] for other in results])
+            assert e["avg"] == pytest.approx(mean, rel=1e-6), (epoch, e)
+    # every step averaged the same gradients: the workers end with the same weights, and it learned
+    assert results[0]["weights"] == results[1]["weights"]
+    assert results[0]["losses"][-1]["avg"] < 0.6 * results[0]["losses"][0]["avg"] + 0.3
+    summed = np.add(results[0]["own_grad"], results[1]["own_grad"])
+    for r in results:
+        np.testing.assert_allclose(r["sum_grad"], summed, rtol=1e-6)
+    assert c.wait_daemons() == [0] * (1 + servers)
