@@ -129,7 +129,7 @@ class RingKVStore(KVStore):
                 o.finish()
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
-        items = self._outs(key, out, "row_sparse_pull")
+        items = self._per_out(self._outs(key, out, "row_sparse_pull"), row_ids)
         ids = self._row_ids(items, row_ids, "row_sparse_pull")
 
         def job():

@@ -333,6 +333,16 @@ class KVStore(abc.ABC):
             items.append((info, wrapped))
         return items
 
+    @staticmethod
+    def _per_out(items, row_ids):
+        """MXNet's form with one row-id array per out (row_sparse_pull(k, out=[a, b], row_ids=[ia, ib])):
+        `items` with one (KeyInfo, [out]) per out, so each gets its own rows; `items` otherwise."""
+        outs = [(info, [o]) for info, targets in items for o in targets]
+        if isinstance(row_ids, (list, tuple)) and len(row_ids) == len(outs) != len(items) and \
+                all(hasattr(ids, "__len__") for ids in row_ids):
+            return outs
+        return items
+
     def _row_ids(self, items, row_ids, op, unique=True):
         """One int64 row-id array per key of `items` ([(KeyInfo, ...)]), checked against its rows;
         sorted and de-duplicated when `unique`."""

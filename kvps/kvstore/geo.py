@@ -112,7 +112,7 @@ class GeoKVStore(KVStore):
         return self._done("pull", items, async_op)
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
-        items = self._outs(key, out, "row_sparse_pull")
+        items = self._per_out(self._outs(key, out, "row_sparse_pull"), row_ids)
         for (info, targets), ids in zip(items, self._row_ids(items, row_ids, "row_sparse_pull")):
             latest = self._state[info.key].latest
             for o in targets:

@@ -57,7 +57,7 @@ class LocalKVStore(KVStore):
         return Handle.completed("pushpull")
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
-        items = self._outs(key, out, "row_sparse_pull")
+        items = self._per_out(self._outs(key, out, "row_sparse_pull"), row_ids)
         for (info, outs), ids in zip(items, self._row_ids(items, row_ids, "row_sparse_pull")):
             def fill(rows, outs=outs, ids=ids):
                 for o in outs:

@@ -463,7 +463,7 @@ class DistKVStore(KVStore):
                           then=_finishers(outs), priority=priority)
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
-        items = self._outs(key, out, "row_sparse_pull")
+        items = self._per_out(self._outs(key, out, "row_sparse_pull"), row_ids)
         self._forget([info.key for info, _ in items])
         ids_per_key = self._row_ids(items, row_ids, "row_sparse_pull")     # sorted, unique
         # A key named twice in one call is asked for once, with the union of its rows (a server

@@ -225,12 +225,15 @@ kv.init(0, np.zeros((4, 2), np.float32))
 kv.push(0, np.ones((4, 2), np.float32))
 out = np.zeros((4, 2), np.float32)
 kv.row_sparse_pull(0, out=out, row_ids=np.array([1.0, 3.0], np.float32))
+a, b = np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32)
+kv.row_sparse_pull(0, out=[a, b], row_ids=[np.array([0, 1]), np.array([3.0])])    # ids per out, as MXNet
+per_out = [a[:, 0].tolist(), b[:, 0].tolist()]
 try:
     kv.row_sparse_pull(0, out=out, row_ids=np.array([1.5], np.float32))
     bad = None
 except ValueError as exc:
     bad = str(exc)
-print(json.dumps({"type": kv.type, "capable": capable, "second": second, "updater": updater, "rows": out[:, 0].tolist(), "bad": bad}),
+print(json.dumps({"type": kv.type, "capable": capable, "second": second, "updater": updater, "per_out": per_out, "rows": out[:, 0].tolist(), "bad": bad}),
       flush=True)
 '''
 
@@ -243,5 +246,6 @@ def test_mxnet_names_and_forms(cluster):
         assert "cannot run the updater function '<lambda>'" in line["updater"] and "set_optimizer" in \
             line["updater"], line
         assert line["rows"] == [0.0, 2.0, 0.0, 2.0], line
+        assert line["per_out"] == [[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]], line
         assert "whole numbers" in line["bad"] and "1.5" in line["bad"], line
     assert c.wait_daemons() == [0, 0]

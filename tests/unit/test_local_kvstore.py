@@ -53,6 +53,11 @@ def test_mxnet_kvstore_tutorial_with_an_updater():
     assert a.tolist() == [[11] * 3, [13] * 3]
     with pytest.raises(TypeError, match="updater"):
         kv._set_updater("sgd")
+    e1, e2 = np.zeros((2, 3)), np.zeros((2, 3))
+    kv.row_sparse_pull(5, out=[e1, e2], row_ids=[np.array([0]), np.array([1.0])])   # one id array per out
+    assert e1.tolist() == [[11] * 3, [0] * 3] and e2.tolist() == [[0] * 3, [13] * 3]
+    kv.row_sparse_pull(5, out=[e1, e2], row_ids=np.array([1]))                       # one for all outs
+    assert e1.tolist() == e2.tolist() == [[0] * 3, [13] * 3]
 
 
 def test_local_push_sums_a_list_and_replaces():
