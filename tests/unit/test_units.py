@@ -174,3 +174,17 @@ def test_optimizer_descriptors():
         kvps.optimizer.SGD(lr=0.1)
     assert kvps.optimizer.create("adam").name == "adam"
     assert kvps.optimizer.create("my_rule", alpha=1).spec() == {"name": "my_rule", "params": {"alpha": 1}}
+
+
+def test_bench_cost_report_pairs_each_run_with_the_plain_run_before_it():
+    """kvps bench's feature-cost tables (metrics, CURVE, replicas): runs alternate, so the median of
+    run-by-run ratios cancels drift that the ratio of two medians keeps."""
+    from kvps.tools.bench.pushpull import cost_report, median_run, paired_ratio
+    assert paired_ratio([1.0, 2.0, 4.0], [1.1, 2.0, 4.8]) == pytest.approx(1.1)
+    assert paired_ratio([1.0, 2.0], [1.5, 2.0]) == pytest.approx(1.25)
+    assert paired_ratio(None, [1.0]) is None and paired_ratio([0.0], [1.0]) is None
+    row = {"workload": "round", "bytes": 1024, "mode": "pushpull"}
+    plain = median_run([[dict(row, ms=m)] for m in (1.0, 2.0, 4.0)])        # a machine slowing down
+    other = median_run([[dict(row, ms=m)] for m in (1.1, 2.0, 4.8)])
+    table = cost_report("t", "metrics", plain, other)
+    assert "| 1 KB round | pushpull | 2.000 | 2.000 | 1.00 | 1.100 |" in table, table

@@ -329,12 +329,27 @@ def metrics_report(plain_rows, metrics_rows):
 def cost_report(title, column, plain_rows, other_rows):
     """A table of `other_rows` (the same jobs with one feature on) against `plain_rows`, row by row."""
     other = {(r["workload"], r["bytes"], r["mode"]): r for r in other_rows}
-    lines = [title, "", f"| workload | kvps call | plain ms | {column} ms | ratio |", "|---|---|--:|--:|--:|"]
+    lines = [title, "Paired: the median over runs of each run's ratio to the plain run just before it (the jobs "
+             "alternate, so this cancels the machine's drift between runs).", "",
+             f"| workload | kvps call | plain ms | {column} ms | ratio | paired ratio |", "|---|---|--:|--:|--:|--:|"]
     for r in plain_rows:
         c = other.get((r["workload"], r["bytes"], r["mode"]))
         if c is not None:
-            lines.append(f"| {_label(r)} | {r['mode']} | {_ms(r['ms'])} | {_ms(c['ms'])} | {c['ms'] / r['ms']:.2f} |")
+            paired = paired_ratio(r.get("runs_ms"), c.get("runs_ms"))
+            lines.append(f"| {_label(r)} | {r['mode']} | {_ms(r['ms'])} | {_ms(c['ms'])} | {c['ms'] / r['ms']:.2f} | "
+                         f"{'-' if paired is None else f'{paired:.3f}'} |")
     return "\n".join(lines)
+
+
+def paired_ratio(plain_ms, other_ms):
+    """The median of other_ms[i] / plain_ms[i] over the runs both have (in run order), or None."""
+    if not plain_ms or not other_ms:
+        return None
+    ratios = sorted(o / p for p, o in zip(plain_ms, other_ms) if p > 0)
+    if not ratios:
+        return None
+    n = len(ratios)
+    return ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
 
 
 def replicas_report(replicas, plain_rows, tcp_rows, replicated_rows):
