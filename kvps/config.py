@@ -52,6 +52,14 @@ VARIABLES = (
     Var("KVPS_MAX_MESSAGE_BYTES", 2 << 30, int, "the biggest frame a node accepts (ZMQ_MAXMSGSIZE on every socket): "
                                                 "zmq drops a peer that sends a bigger one, so garbage of any size "
                                                 "costs no memory"),
+    Var("KVPS_PEER_QUEUE", 10000, int, "messages a daemon queues for one peer each way (ZMQ_RCVHWM and ZMQ_SNDHWM "
+                                       "of its ROUTER): a peer that sends faster than it is served waits (TCP "
+                                       "backpressure), and replies to one that reads none are dropped, logged "
+                                       "(0: no bound)"),
+    Var("KVPS_PEER_REPLY_BYTES", 4 << 30, int, "bytes of big replies a daemon hands zmq for one peer that the "
+                                               "peer has not read yet; past it, replies to that peer are dropped "
+                                               "and logged, so a peer that pulls and never reads pins bounded "
+                                               "memory (0: no bound)"),
     Var("KVPS_FAULTS", None, str, "test only: inject faults into data messages, e.g. drop:0.01,dup:0.01,delay:5ms "
                                   "(see docs/faults.md; requests are then resent and de-duplicated)"),
     Var("KVPS_FAULTS_SEED", 0, int, "seed of the injected faults (with the node's role and rank)"),
@@ -150,6 +158,8 @@ class Config:
     message_bytes: int = _default("message_bytes")
     send_credit: int = _default("send_credit")
     max_message_bytes: int = _default("max_message_bytes")
+    peer_queue: int = _default("peer_queue")
+    peer_reply_bytes: int = _default("peer_reply_bytes")
     faults: str = _default("faults")
     faults_seed: int = _default("faults_seed")
     resend_timeout: float = _default("resend_timeout")
@@ -201,6 +211,9 @@ class Config:
             parse(self.straggler)
         if self.max_message_bytes < 1:
             raise ConfigError(f"KVPS_MAX_MESSAGE_BYTES={self.max_message_bytes} must be at least 1")
+        if self.peer_queue < 0 or self.peer_reply_bytes < 0:
+            raise ConfigError(f"KVPS_PEER_QUEUE={self.peer_queue} and KVPS_PEER_REPLY_BYTES="
+                              f"{self.peer_reply_bytes} must not be negative (0: no bound)")
         if self.shm not in (0, 1):
             raise ConfigError(f"KVPS_SHM={self.shm} must be 0 or 1")
         if self.elastic not in (0, 1):

@@ -97,7 +97,7 @@ class Scheduler:
         self.van = Van("H", self._on_message)
         if self.keys is not None:
             self.van.secure(self.keys)
-        self.van.limit_messages(cfg.max_message_bytes)
+        self.van.limit_messages(cfg.max_message_bytes, cfg.peer_queue, cfg.peer_reply_bytes)
         self.van.when_dead(self._io_died)
         self.port = self.van.bind(host, port)
         self.host = host

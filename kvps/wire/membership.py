@@ -107,7 +107,7 @@ class Node:
         self.faults = Faults.of_config(cfg, role)
         if self.faults is not None:
             self.van.inject(self.faults)
-        self.van.limit_messages(cfg.max_message_bytes)
+        self.van.limit_messages(cfg.max_message_bytes, cfg.peer_queue, cfg.peer_reply_bytes)
         self.van.when_dead(self._io_died)
         # Metrics and the timeline (docs/observability.md): None unless KVPS_METRICS_PORT or
         # KVPS_TIMELINE is set, and then not even imported.

@@ -97,6 +97,10 @@ class Van:
         self._curve = None                  # kvps.wire.auth.Curve once secure() was called
         self._monitor = None                # the ROUTER's socket monitor, and what counts its connections
         self._gate = None
+        self._peer_queue = 0                # limit_messages: per-client queue bound, in messages (0: none)
+        self._unread = Unread()             # and the big replies clients have not read yet
+        # replies dropped at each bound, logged apart from other complaints so neither hides the other
+        self._dropped = {"queue": LogThrottle(lines=5), "bytes": LogThrottle(lines=5)}
 
     # ---- setup (call before start, or from the I/O thread) ----
     def secure(self, keys):
@@ -118,9 +122,12 @@ class Van:
         self._monitor = sock.get_monitor_socket(connections.MONITORED | auth.MONITORED)
         self._gate = connections.Connections(self.complaints, lambda: self.name)
         self._poller.register(self._monitor, zmq.POLLIN)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # Bounded per-client queues: a client that floods requests is read no faster than it is
+        # served, and one that reads no replies fills its queue, after which its replies are dropped
+        # (ROUTER_MANDATORY makes a full queue an error on a send that must not block: _reply_sock).
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.RCVHWM, self._peer_queue)
+        sock.setsockopt(zmq.SNDHWM, self._peer_queue)
         if port:
             sock.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -134,10 +141,14 @@ class Van:
         """Run fn() on the I/O thread every `interval` seconds."""
         self._timers.append([time.monotonic() + interval, interval, fn])
 
-    def limit_messages(self, nbytes):
+    def limit_messages(self, nbytes, peer_queue=0, peer_reply_bytes=0):
         """Refuse (in zmq, which drops the connection) any received frame over `nbytes`
-        (KVPS_MAX_MESSAGE_BYTES), on every socket opened from now on: call it before bind()."""
+        (KVPS_MAX_MESSAGE_BYTES), on every socket opened from now on; queue at most `peer_queue`
+        messages for one ROUTER client each way (KVPS_PEER_QUEUE) and hand zmq at most
+        `peer_reply_bytes` of big replies that a client has not read (KVPS_PEER_REPLY_BYTES); 0: no
+        bound. Call it before bind()."""
         self._ctx.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
+        self._peer_queue, self._unread.limit = int(peer_queue), int(peer_reply_bytes)
 
     def inject(self, faults):
         """Test only: lose, repeat and delay the data messages this node sends as `faults`
@@ -387,14 +398,26 @@ class Van:
             return
         big = on_tracker is not None and any(
             not isinstance(f, bytes) and memoryview(f).nbytes >= TRACK_BYTES for f in frames[1:])
+        nbytes = sum(memoryview(f).nbytes for f in frames[1:]) if big else 0
+        if big and not self._unread.fits(routing_id, nbytes):
+            self._dropped["bytes"](log, logging.WARNING, "%s: a %d-byte reply dropped: the client has %d bytes of replies "
+                            "it has not read (KVPS_PEER_REPLY_BYTES)", self.name, nbytes,
+                            self._unread.held(routing_id))
+            return
         try:
+            # Never blocks: a client whose queue is full (KVPS_PEER_QUEUE) raises zmq.Again here.
             if big:
-                tracker = self._router.send_multipart([routing_id, *frames], copy=False, track=True)
+                tracker = self._router.send_multipart([routing_id, *frames], zmq.NOBLOCK, copy=False, track=True)
+                self._unread.add(routing_id, tracker, nbytes)
                 on_tracker(tracker)
             else:
-                _send(self._router, [routing_id, *frames])
+                self._router.send(routing_id, zmq.NOBLOCK | SNDMORE)
+                _send(self._router, frames)
+        except zmq.Again:
+            self._dropped["queue"](log, logging.WARNING, "%s: a reply dropped: the client reads none and has %d messages "
+                            "queued (KVPS_PEER_QUEUE)", self.name, self._peer_queue)
         except zmq.ZMQError as exc:
-            log.warning("%s: reply to a client that went away dropped (%s)", self.name, exc)
+            self.complaints(log, logging.WARNING, "%s: reply to a client that went away dropped (%s)", self.name, exc)
 
     # ---- test-only faults (kvps/wire/faults.py), on the I/O thread ----
     def _faulted(self, kind, to, args):
@@ -583,6 +606,38 @@ def _watch(frames, on_sent):
             holds[0] += 1
             weakref.finalize(view, release).atexit = False
     return release
+
+
+class Unread:
+    """The big replies (zmq MessageTrackers) each ROUTER client has been handed and not yet read,
+    so that one client cannot make a daemon hold more than `limit` bytes for it (0: no limit)."""
+
+    def __init__(self, limit=0):
+        self.limit = limit
+        self._by_client = {}           # routing id -> deque of [tracker, nbytes], oldest first
+        self._bytes = {}
+
+    def held(self, client):
+        """Bytes still held for `client`, after dropping the replies zmq has sent."""
+        queue = self._by_client.get(client)
+        while queue and queue[0][0].done:
+            self._bytes[client] -= queue.popleft()[1]
+        if queue is not None and not queue:
+            del self._by_client[client], self._bytes[client]
+            return 0
+        return self._bytes.get(client, 0)
+
+    def fits(self, client, nbytes):
+        return not self.limit or self.held(client) + nbytes <= self.limit or not self.held(client)
+
+    def add(self, client, tracker, nbytes):
+        if not self.limit:
+            return
+        if client not in self._by_client and len(self._by_client) >= 1024:
+            for other in list(self._by_client):        # clients long gone: their replies are done
+                self.held(other)
+        self._by_client.setdefault(client, collections.deque()).append((tracker, nbytes))
+        self._bytes[client] = self._bytes.get(client, 0) + nbytes
 
 
 def _send(sock, frames):

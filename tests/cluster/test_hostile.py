@@ -194,6 +194,50 @@ def test_replies_nobody_reads_never_block_the_server(cluster):
     assert c.wait_daemons() == [0, 0]
 
 
+def test_a_peer_that_reads_no_replies_pins_bounded_memory(cluster):
+    """Per-client bounds (KVPS_PEER_QUEUE, KVPS_PEER_REPLY_BYTES): a peer that floods pulls and
+    reads nothing gets its replies dropped past the bounds, logged a few times, and the server
+    goes on serving the job beside it, exactly."""
+    c = cluster(1, 1, env=dict(ENV, KVPS_PEER_QUEUE="64", KVPS_PEER_REPLY_BYTES=str(40 << 20)))
+    worker = _hold(c, "dist_async")
+    small = Peer(c.server_ports[0], RCVHWM=1, RCVBUF=4096)
+    big = Peer(c.server_ports[0], RCVHWM=1, RCVBUF=4096)
+    stats = Peer(c.server_ports[0])
+    try:
+        pull_w = Header(Op.PULL, 1, "W0", [Entry.bare("w", 0, 0, (8,))]).encode()
+        for _ in range(5000):                       # 5,000 small replies nobody reads
+            small.sock.send(pull_w)
+        pull_big = Header(Op.PULL, 2, "W0", [Entry.bare("big", 0, 0, (1 << 22,))]).encode()
+        for _ in range(20):                         # 20 x 16 MB against a 40 MB bound
+            big.sock.send(pull_big)
+
+        def answered():
+            reply = stats.ask([Header(Op.STATS, 3, "W0").encode()])
+            return reply.meta["pulls"] >= 5020
+        wait_for(answered, 30, "the server to take the 5,020 pulls")
+        result = _release(c, worker)
+        assert result["w"] == [1.0 + i for i in range(8)] and result["took"] < 5.0, result
+        got = 0
+        while big.sock.poll(2000):
+            big.sock.recv_multipart()
+            got += 1
+        assert 1 <= got <= 4, got                   # 40 MB of 16 MB replies, the rest dropped
+        got = 0
+        while small.sock.poll(1000):
+            small.sock.recv_multipart()
+            got += 1
+        assert 64 <= got < 5000, got                # the queue bound, plus what the sockets buffer
+    finally:
+        small.close()
+        big.close()
+        stats.close()
+    _finish(c, worker)
+    log = (c.dir / "S0.err").read_text() + (c.dir / "S0.log").read_text()
+    assert "(KVPS_PEER_QUEUE)" in log and "(KVPS_PEER_REPLY_BYTES)" in log, log[-2000:]
+    assert log.count("reply dropped") <= 20, log.count("reply dropped")           # throttled
+    assert c.wait_daemons() == [0, 0]
+
+
 def test_frames_over_the_message_limit_are_refused_by_zmq(cluster):
     c = cluster(1, 1, env=dict(ENV, KVPS_MAX_MESSAGE_BYTES=str(17 << 20)))      # the 16 MB key fits
     worker = _hold(c)
