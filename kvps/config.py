@@ -52,6 +52,10 @@ VARIABLES = (
     Var("KVPS_MAX_MESSAGE_BYTES", 2 << 30, int, "the biggest frame a node accepts (ZMQ_MAXMSGSIZE on every socket): "
                                                 "zmq drops a peer that sends a bigger one, so garbage of any size "
                                                 "costs no memory"),
+    Var("KVPS_SERVER_THREADS", 1, int, "threads that merge a server's sync rounds: 1, the I/O thread itself; N > 1, "
+                                       "a pool of N that sums (and updates) keys of at least 1 MiB while the I/O "
+                                       "thread goes on receiving and replying, each key's rounds in order "
+                                       "(kvps/ps/pool.py)"),
     Var("KVPS_PEER_QUEUE", 10000, int, "messages a daemon queues for one peer each way (ZMQ_RCVHWM and ZMQ_SNDHWM "
                                        "of its ROUTER): a peer that sends faster than it is served waits (TCP "
                                        "backpressure), and replies to one that reads none are dropped, logged "
@@ -159,6 +163,7 @@ class Config:
     send_credit: int = _default("send_credit")
     max_message_bytes: int = _default("max_message_bytes")
     peer_queue: int = _default("peer_queue")
+    server_threads: int = _default("server_threads")
     peer_reply_bytes: int = _default("peer_reply_bytes")
     faults: str = _default("faults")
     faults_seed: int = _default("faults_seed")
@@ -211,6 +216,8 @@ class Config:
             parse(self.straggler)
         if self.max_message_bytes < 1:
             raise ConfigError(f"KVPS_MAX_MESSAGE_BYTES={self.max_message_bytes} must be at least 1")
+        if self.server_threads < 1:
+            raise ConfigError(f"KVPS_SERVER_THREADS={self.server_threads} must be at least 1")
         if self.peer_queue < 0 or self.peer_reply_bytes < 0:
             raise ConfigError(f"KVPS_PEER_QUEUE={self.peer_queue} and KVPS_PEER_REPLY_BYTES="
                               f"{self.peer_reply_bytes} must not be negative (0: no bound)")

@@ -46,6 +46,7 @@ from kvps.wire.throttle import escape
 from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 
 from kvps.ps import checkpoint
+from kvps.ps.pool import MergePool
 from kvps.ps.store import Store
 from kvps.ps.rules import Registry
 from kvps.wire.membership import SCHEDULER
@@ -193,7 +194,11 @@ class Server(Node):
                                      f"{self.cfg.replicas} servers; the job has {len(meta['servers'])}")
                 self.chain = Chain(self)
             self.store = Store(len(meta["workers"]), meta["mode"])
-            log.info("%s: consistency %s", self.name, self.store.consistency.wire())
+            if self.cfg.server_threads > 1 and self.store.mode == "sync":
+                # big sync rounds are merged beside the I/O thread (kvps/ps/pool.py)
+                self.store.pool = MergePool(self.cfg.server_threads, self.van.call_soon, self.name)
+            log.info("%s: consistency %s%s", self.name, self.store.consistency.wire(),
+                     f", {self.cfg.server_threads} merge threads" if self.store.pool is not None else "")
             if self.telemetry is not None:
                 self.store.observer = self.telemetry
         except (ProtocolError, ValueError) as exc:

@@ -62,6 +62,7 @@ from kvps.ps.clocks import WAIT, Clocks
 log = logging.getLogger("kvps.server")
 
 
+POOL_BYTES = int(__import__("os").environ.get("KVPS_TEST_POOL_BYTES", 1 << 20))                                     # rounds of keys this big go to the pool
 SMALL_SUM = 16384                                        # elements: below this numpy sums a round
 EXACT_SUM = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -73,7 +74,7 @@ def _show(dtype, shape):
 class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
-                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers")
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -93,6 +94,7 @@ class Slot:
         self.merge = None                # scratch buffer for the round's sum
         self.sent = []                   # zmq trackers of replies still reading value
         self.opened = 0.0                # time.time() of the open round's first push (with an observer)
+        self.busy = False                # a closed round is being merged on a pool thread (kvps/ps/pool.py)
 
     def name(self):
         key, part = self.id
@@ -143,10 +145,13 @@ class Store:
         self.rule = None
         self.restored, self.restored_from = {}, None   # loaded optimizer state waiting for set_rule
         self.slots = {}
+        # KVPS_SERVER_THREADS > 1: a kvps.ps.pool.MergePool that merges big sync rounds beside the I/O
+        # thread; None: every round is merged inline
+        self.pool = None
         # round_closed(slot, opened, merge_start, closed) and updated(slot, start, end), with time.time()
         # stamps (kvps.metrics.telemetry.Telemetry); None: nothing is timed
         self.observer = None
-        self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
+        self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "pooled": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
                       "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
                       "staleness": self.clocks.staleness}
 
@@ -228,6 +233,7 @@ class Store:
             # take them for gradients and step a second time.
             raise KVValueError(f"a {self.consistency.wire()} job runs no server optimizer (the servers add "
                                f"the workers' weight changes); each worker steps its own")
+        self.quiesce()
         if self.restored:
             rule.restore_all(self.restored, self.restored_from)
             self.restored, self.restored_from = {}, None
@@ -273,8 +279,19 @@ class Store:
         slot.pending.append(array)
         slot.pushers.append(worker)
         slot.acks.append(done)
-        if self.clocks.round_complete(slot):
+        if not slot.busy and self.clocks.round_complete(slot):
             self._close_round(slot)
+
+    def quiesce(self):
+        """Finish every round being merged on the pool (call before anything that reads or replaces
+        values, optimizer state or round counters wholesale)."""
+        if self.pool is not None and len(self.pool):
+            self.pool.drain()
+
+    def _offloads(self, slot, pending):
+        """Whether this round goes to the pool: a plain sync round of a big dense key."""
+        return (not self.consistency.backup and slot.value is not None and
+                slot.value.nbytes >= POOL_BYTES and all(type(p) is not Rows for p in pending))
 
     def _close_round(self, slot):
         pending, acks, members = slot.pending, slot.acks, slot.in_round
@@ -285,17 +302,41 @@ class Store:
         if self.clocks.late:
             self.clocks.late.pop(slot.id, None)
         merge_start = time.time() if self.observer is not None else 0.0
+        if self.pool is not None and self._offloads(slot, pending):
+            work, apply = self._merge_job(slot, pending)
+            slot.busy = True
+            self.pool.submit(work, lambda error: self._round_merged(slot, acks, members, merge_start, error, apply))
+            # The pushes held for the next round enter it now, before any later push can (its pulls
+            # wait, and it does not close, until this round is merged).
+            early, slot.early = slot.early, []
+            for worker, array, done in early:
+                self._enter(slot, worker, array, done)
+            return
         try:
             self._merge(slot, pending)
         except Exception as exc:
+            self._round_merged(slot, acks, members, merge_start, exc)
+            return
+        self._round_merged(slot, acks, members, merge_start, None)
+        early, slot.early = slot.early, []
+        for worker, array, done in early:
+            self._enter(slot, worker, array, done)
+
+    def _round_merged(self, slot, acks, members, merge_start, error, apply=None):
+        """The rest of closing a round, once it is merged (inline, or on the pool: then on the I/O thread)."""
+        slot.busy = False
+        if error is None and apply is not None:
+            apply()
+            self.stats["pooled"] += 1
+        if error is not None:
             # Every worker in the round hears of the failure; none waits for a reply that never comes.
-            log.exception("%s: applying a round failed", slot.name())
+            log.error("%s: applying a round failed", slot.name(), exc_info=error)
             slot.version += 1
             for ack in acks:
-                ack(exc)
+                ack(error)
             waiters, slot.pull_waiters = slot.pull_waiters, []
             for _, done, _ in waiters:
-                done(exc)
+                done(error)
             return
         for worker in members:
             self.clocks.applied(slot, worker)
@@ -306,9 +347,35 @@ class Store:
         for ack in acks:
             ack(None)
         self._release_pulls(slot)
-        early, slot.early = slot.early, []
-        for worker, array, done in early:
-            self._enter(slot, worker, array, done)
+        if apply is not None and slot.in_round and self.clocks.round_complete(slot):
+            self._close_round(slot)         # the next round filled up while this one was merged
+
+    def _merge_job(self, slot, pending):
+        """(work, apply) for the pool: work() only computes, into buffers nothing else reads while the
+        slot is busy; apply() then swaps them in on the I/O thread. The same arithmetic as _merge."""
+        box = {}
+        if self.rule is not None:
+            self._own(slot)
+            scratch = slot.merge
+
+            def work():
+                box["merge"] = self._sum(slot, pending, scratch)
+                self._update(slot, box["merge"])
+
+            def apply():
+                slot.merge = box["merge"]
+                self.stats["updates"] += 1
+            return work, apply
+        reuse = not slot.sent or self._settled(slot)       # as _merge: a reply may still be sent from it
+        target = slot.merge if reuse else None
+        slot.sent = []
+
+        def work():
+            box["value"] = self._sum(slot, pending, target)
+
+        def apply():
+            slot.merge, slot.value = (slot.value if reuse else None), box["value"]
+        return work, apply
 
     def _merge(self, slot, pending):
         if any(type(p) is Rows for p in pending):
@@ -367,13 +434,17 @@ class Store:
                 slot.value[grad.ids] += grad.values
             return
         if self.rule is not None:
-            start = time.time() if self.observer is not None else 0.0
-            self.rule(slot.id, slot.value, grad.reshape(slot.shape))
+            self._update(slot, grad)
             self.stats["updates"] += 1
-            if self.observer is not None:
-                self.observer.updated(slot, start, time.time())
         else:
             kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))
+
+    def _update(self, slot, grad):
+        """The rule on the value in place (any thread: see _merge_job)."""
+        start = time.time() if self.observer is not None else 0.0
+        self.rule(slot.id, slot.value, grad.reshape(slot.shape))
+        if self.observer is not None:
+            self.observer.updated(slot, start, time.time())
 
     def pull(self, worker, key, part, done, rows=None):
         """done(array) with the value (or the given local rows of it) once this worker's pushes
@@ -382,7 +453,7 @@ class Store:
         if rows is not None:
             self.check_rows(slot, rows)
         self.stats["pulls"] += 1
-        state = self.clocks.pull_state(slot, worker)
+        state = WAIT if slot.busy else self.clocks.pull_state(slot, worker)
         if state is WAIT:
             if self.mode == "ssp":
                 self.stats["ssp_waits"] += 1
@@ -402,7 +473,7 @@ class Store:
         """Answer the waiting pulls that may return now (or never can)."""
         waiters, slot.pull_waiters = slot.pull_waiters, []
         for worker, done, rows in waiters:
-            state = self.clocks.pull_state(slot, worker)
+            state = WAIT if slot.busy else self.clocks.pull_state(slot, worker)
             if state is WAIT:
                 slot.pull_waiters.append((worker, done, rows))
             elif state is None:
@@ -436,6 +507,7 @@ class Store:
         now; in ssp mode, pulls that waited for it return (async rounds wait for nobody). Once
         every worker has joined, all of them are active again, so a later epoch runs as before,
         and stats["last_joined"] names the last one."""
+        self.quiesce()
         self.stats["joins"] += 1
         self.joined.add(worker)
         if self.mode == "sync":
@@ -452,6 +524,7 @@ class Store:
     def worker_removed(self, worker):
         """Elastic: the scheduler removed this worker (it died, or left); rounds and ssp pulls stop
         waiting for it, and what it had queued for later rounds is dropped."""
+        self.quiesce()
         self.removed.add(worker)
         self.joined.discard(worker)
         for late in self.clocks.late.values():
@@ -468,6 +541,7 @@ class Store:
         """Elastic: a new worker took a vacant rank. Per key it starts from the current value: a sync
         round under way closes without it (its pull waits for that round, its push goes to the
         next); in ssp its clock starts at the fastest worker's, so it holds nobody back."""
+        self.quiesce()
         self.removed.discard(worker)
         self.gone.pop(worker, None)
         for slot in self.slots.values():
@@ -482,6 +556,7 @@ class Store:
 
     def worker_gone(self, worker, reason):
         """A worker left or died: fail every sync round, and every ssp pull, that waits for it."""
+        self.quiesce()
         self.gone[worker] = reason
         if self.mode == "ssp":
             for slot in self.slots.values():
@@ -507,6 +582,7 @@ class Store:
         checkpoint.pack. Runs on the store's thread; with `copy` the arrays are copies, which the
         caller may write from any thread while training goes on; without, they are the live arrays
         (the caller must hold back every request that would change them until it is done)."""
+        self.quiesce()
         out = []
         for slot in self.slots.values():
             if slot.value is None:
@@ -527,6 +603,7 @@ class Store:
         """The state of these slots for a server that joins their chain (server/replication.py): per
         slot (its export record, with copies; the pushes waiting in its open round, in the order they
         came: [(worker, array or Rows)])."""
+        self.quiesce()
         chosen = set(slot_ids)
         records = [r for r in self.export(copy=True) if (r["key"], r["part"]) in chosen]
         out = []
@@ -540,6 +617,7 @@ class Store:
         """A slot handed over by the old tail of its chain: its value and counters (as handover gave
         them), then the pushes that wait in its open round, pushed again in their order (nobody
         waits for their acks: the sender answered them)."""
+        self.quiesce()
         slot = self.slots.get((key, part))
         if slot is None:
             slot = self.slots[(key, part)] = Slot((key, part), value.dtype, value.shape)
@@ -555,6 +633,7 @@ class Store:
         """Raise (before anything changes) unless (key, part) may take a loaded state now; `idle`:
         no round or pull may be in progress (optimizer state alone may load during a round, which
         applies it when it closes)."""
+        self.quiesce()
         slot = self.check(key, part, dtype, shape)
         if idle and (slot.pending or slot.early or slot.pull_waiters):
             raise KVValueError(f"{slot.name()} has a sync round or a pull in progress; load a checkpoint "
@@ -565,6 +644,7 @@ class Store:
         """Replace a slot's value (the array itself is kept) and, with `counters` ({"version",
         "pushes", "seen"} as saved), its round/clock counters. With `same_clocks` False (the job
         that saved had other workers or another mode) every worker starts level at the saved version."""
+        self.quiesce()
         if value is not None:
             slot.value, slot.merge, slot.sent = value, None, []
         if counters is not None:
@@ -580,6 +660,7 @@ class Store:
         """Loaded update-rule state {slot id: (master, count, state arrays)}: into the current rule,
         or, when none is set yet, kept for the next set_rule. `source` (the checkpoint's path and
         the name of the optimizer that saved) goes into the errors of a rule that does not fit."""
+        self.quiesce()
         if self.rule is not None:
             self.rule.restore_all(states, source)
         else:

@@ -343,6 +343,8 @@ SCHEMA = {
         "pushes": Field(INT, "entries pushed", required=False),
         "pulls": Field(INT, "entries pulled", required=False),
         "rounds": Field(INT, "sync rounds closed", required=False),
+        "pooled": Field(INT, "sync rounds merged on the server's pool of threads (KVPS_SERVER_THREADS)",
+                        required=False),
         "updates": Field(INT, "optimizer updates applied", required=False),
         "decoded": Field(INT, "compressed entries decoded", required=False),
         "bytes_in": Field(INT, "payload bytes pushed", required=False),

@@ -210,6 +210,11 @@ class Van:
                 done()
             raise
 
+    def call_soon(self, fn):
+        """Run fn() on the I/O thread, from any thread (kvps/ps/pool.py posts its finished merges
+        so). Raises KVPSError once stopped."""
+        self._submit(("call", fn), "a call on the I/O thread")
+
     def backlog(self):
         """(messages waiting for the I/O thread or the send credit, bytes zmq holds of scheduled data
         messages): queue depths for the metrics, read without the lock (any thread; a snapshot)."""
@@ -352,6 +357,11 @@ class Van:
                 self._connect_now(item[1], *item[2])
             elif kind == "disconnect":
                 self._disconnect_now(item[1])
+            elif kind == "call":
+                try:
+                    item[1]()
+                except Exception:
+                    log.exception("%s: a call on the I/O thread failed", self.name)
             elif kind == "stop":
                 self._running = False
             del item, kind      # payloads die here, not at the next message (see _watch)

@@ -30,7 +30,8 @@ for i in range(int(os.environ["ROUNDS"])):
 kv.barrier()
 kv.pull(names, out=outs)
 print(json.dumps({"stage": "end", "values": [[float(o.min()), float(o.max())] for o in outs],
-                  "rank": r, "num_workers": W, "num_servers": kv.num_servers}), flush=True)
+                  "rank": r, "num_workers": W, "num_servers": kv.num_servers, "stats": kv.server_stats()}),
+      flush=True)
 '''
 
 
@@ -90,6 +91,23 @@ def test_server_sgd_closed_form(cluster, kvtype, workers, servers):
             i = 3 if line["round"] == "end" else line["round"]
             assert line["w"] == [1 + i * step] * 2, line
             assert line["big"] == [1 + i * step] * 2, line
+
+
+@pytest.mark.parametrize("script", ["plain", "sgd"])
+def test_rounds_merged_on_server_threads_keep_the_closed_forms(cluster, script):
+    """KVPS_SERVER_THREADS=2, with every round (not only keys of 1 MiB) merged on the pool."""
+    c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "1000", "KVPS_SERVER_THREADS": "2", "KVPS_TEST_POOL_BYTES": "0"})
+    if script == "plain":
+        for lines in c.run_workers(SCRIPT, env={"KVTYPE": "dist_sync", "ROUNDS": str(ROUNDS)}):
+            stages = {line["stage"]: line for line in lines}
+            for i in range(ROUNDS):
+                assert all(v == [3, 3] for v in stages[f"round{i}"]["values"]), (i, stages[f"round{i}"])
+    else:
+        for lines in c.run_workers(OPT_SCRIPT, env={"KVTYPE": "dist_sync"}):
+            for line in lines:
+                i = 3 if line["round"] == "end" else line["round"]
+                assert line["w"] == line["big"] == [1 + i * 6] * 2, line
+    assert c.wait_daemons() == [0, 0, 0]
 
 
 ORDER = r'''

@@ -81,6 +81,10 @@ def parser():
     p.add_argument("--replicas", type=int, default=0, metavar="R",
                    help="also run kvps with KVPS_REPLICAS=R (chain replication, over TCP) in the same run, and "
                         "report its cost against kvps and, with --tcp, kvps over TCP (docs/replication.md)")
+    p.add_argument("--server-threads", type=int, default=0, metavar="N",
+                   help="also run kvps with KVPS_SERVER_THREADS=N (big sync rounds merged on a pool of N threads "
+                        "beside the server's I/O thread) in the same run, and report it against the "
+                        "single-threaded server")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's output to stderr")
     return p
 
@@ -94,6 +98,8 @@ def _args(argv):
         p.error(f"--timeout {args.timeout:g} must be positive")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat} must be at least 1")
+    if args.server_threads < 0 or args.server_threads == 1:
+        p.error(f"--server-threads {args.server_threads}: give N > 1 (1 is the plain run it is compared with)")
     if args.replicas and not 0 < args.replicas < args.servers:
         p.error(f"--replicas {args.replicas} needs more servers than replicas (-s {args.servers})")
     if args.resnet_steps is not None and args.resnet_steps < 0:
@@ -376,10 +382,11 @@ def measure(args, plan, tmp):
     with open(plan_path, "w") as f:
         json.dump(plan, f)
     runs = {"kvps": [], "MXNet": [], "kvps TCP": [], "kvps CURVE": [], "kvps TCP CURVE": [], "kvps metrics": [],
-            "kvps replicated": []}
+            "kvps replicated": [], "kvps threads": []}
     kvps = ("kvps",) + (("kvps TCP",) if args.tcp else ())
     systems = kvps + (tuple(f"{k} CURVE" for k in kvps) if args.curve else ()) + \
         (("kvps metrics",) if args.metrics else ()) + (("kvps replicated",) if args.replicas else ()) + \
+        (("kvps threads",) if args.server_threads > 1 else ()) + \
         (("MXNet",) if args.mxnet else ())
     progress = Progress(args.repeat * len(systems), "benchmark jobs")     # a bar with an ETA on a terminal
     for i in range(args.repeat):
@@ -395,7 +402,9 @@ def measure(args, plan, tmp):
                                                       **({"KVPS_CURVE": "1"} if "CURVE" in system else {}),
                                                       **({"KVPS_METRICS_PORT": "0"} if "metrics" in system else {}),
                                                       **({"KVPS_REPLICAS": str(args.replicas)}
-                                                         if "replicated" in system else {})))
+                                                         if "replicated" in system else {}),
+                                                      **({"KVPS_SERVER_THREADS": str(args.server_threads)}
+                                                         if "threads" in system else {})))
             _say(f"{system} job done in {time.monotonic() - t:.1f} s")
             lost = missing(plan, rows)
             if lost:
@@ -441,6 +450,10 @@ def main(argv=None):
     if args.replicas:
         print("\n" + replicas_report(args.replicas, kvps_rows, median_run(runs["kvps TCP"]),
                                      median_run(runs["kvps replicated"])), flush=True)
+    if args.server_threads > 1:
+        print("\n" + cost_report(f"Server threads: the same job with KVPS_SERVER_THREADS={args.server_threads} (big "
+                                 f"sync rounds merged beside the I/O thread), in the same run; ratio = threads / one "
+                                 f"thread.", "threads", kvps_rows, median_run(runs["kvps threads"])), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "kvps bench pushpull " + shlex.join(argv), "workers": args.workers,
