@@ -28,7 +28,8 @@ import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstri
 
 from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from kvps.torch.horovod import (Adasum, Average, Compression, Sum, allreduce, allreduce_, broadcast, broadcast_,
-                                broadcast_object, cross_rank, cross_size, is_initialized, local_rank, local_size,
+                                broadcast_object, cross_rank, cross_size, gloo_built, gloo_enabled, is_initialized,
+                                local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                                 rank, shutdown, size)
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
 from kvps.torch.optimizer import DistributedOptimizer
@@ -41,4 +42,5 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            # Horovod's names (kvps/torch/horovod.py): import kvps.torch as hvd
            "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_initialized", "shutdown",
            "allreduce", "allreduce_", "broadcast", "broadcast_", "broadcast_object", "Compression", "Average",
-           "Sum", "Adasum"]
+           "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+           "gloo_enabled"]

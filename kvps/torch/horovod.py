@@ -100,6 +100,31 @@ def is_initialized():
     return _SESSION.kv is not None
 
 
+# What Horovod's scripts ask about its build: kvps has its own ring (gloo-like) and no MPI or NCCL.
+def nccl_built():
+    return False
+
+
+def mpi_built():
+    return False
+
+
+def mpi_enabled():
+    return False
+
+
+def mpi_threads_supported():
+    return False
+
+
+def gloo_built():
+    return True
+
+
+def gloo_enabled():
+    return True
+
+
 def shutdown():
     """Leave the job (close the process's kvstore); a later kvps.torch call starts no new one."""
     if _SESSION.kv is not None:

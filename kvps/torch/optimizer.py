@@ -127,6 +127,10 @@ class _Distributed:
                 p = self._params[i]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)       # an unused parameter still takes part in the round
+                elif p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()         # Horovod's sparse_as_dense: kvps sends gradients dense
+            if self._predivide != 1.0:
+                torch._foreach_div_([self._params[i].grad for i in members], self._predivide)
             grads = [self._params[i].grad for i in members]
             if self._wire is not None:
                 grads = self._lows[b] = [g.to(self._wire) for g in grads]
@@ -172,7 +176,9 @@ class _Distributed:
         with torch.no_grad():
             if self._mode != "async":
                 if self._kv.num_workers > 1 and self._average:
-                    torch._foreach_div_([p.grad for p in self._params], float(self._kv.num_workers))
+                    torch._foreach_div_([p.grad for p in self._params], self._kv.num_workers / self._predivide)
+                elif self._predivide != 1.0:
+                    torch._foreach_mul_([p.grad for p in self._params], self._predivide)
             else:
                 torch._foreach_copy_([p.data for p in self._params], self._fresh)
 
@@ -244,7 +250,7 @@ class _Skip:
 
 def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compression=None,
                          backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES,
-                         k_steps=None, op=None):
+                         k_steps=None, op=None, gradient_predivide_factor=1.0, sparse_as_dense=False):
     """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
 
     mode: None (the process's kvstore's mode: kvps.torch.init), "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
@@ -260,7 +266,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
     bucket at most 1 MiB; on the ring at most KVPS_FUSION_BYTES), each bucket one pushpull, sent
     when its last gradient is ready; 0 sends each parameter on its own. opt.buckets lists them.
     op (Horovod's): hvd.Average (the default) divides the summed gradients by the number of
-    workers, hvd.Sum leaves the sum (sync, allreduce).
+    workers, hvd.Sum leaves the sum (sync, allreduce). gradient_predivide_factor (Horovod's): with
+    hvd.Average, divide by it before the sum and by size/factor after. sparse_as_dense: accepted
+    for Horovod's scripts; kvps always sends a sparse gradient (nn.Embedding(sparse=True)) dense.
 
     The result shares the wrapped optimizer's param groups and state; use it, not the original.
     Every worker must wrap the same parameters, with the same names, in the same order.
@@ -270,6 +278,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
     if mode is None:
         mode = _SESSION.mode_of(_SESSION.kvstore(kvstore=kvstore, k_steps=k_steps))
     average = horovod.reduction(op)
+    if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0 or \
+            (gradient_predivide_factor != 1.0 and (not average or mode not in ("sync", "allreduce"))):
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a number > 0, and "
+                         f"other than 1 only with op=hvd.Average in mode 'sync' or 'allreduce' (as in Horovod)")
     if not average and mode not in ("sync", "allreduce"):
         raise ValueError(f"op=hvd.Sum applies to mode='sync' or 'allreduce', not mode={mode!r}")
     if isinstance(optimizer, _Distributed):
@@ -302,6 +314,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
     opt.state = optimizer.state
     opt._setup(named, mode, compression, backward_passes_per_step, kv, update_on or "server", bucket_bytes)
     opt._average = average
+    opt._predivide = float(gradient_predivide_factor)
     return opt
 
 

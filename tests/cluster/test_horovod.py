@@ -23,8 +23,10 @@ model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.L
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.5)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+lr_scaler = hvd.local_size() if hvd.nccl_built() else 1
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                     compression=hvd.Compression.fp16, op=hvd.Average)
+                                     compression=hvd.Compression.fp16, op=hvd.Average,
+                                     gradient_predivide_factor=2.0)
 
 def metric_average(val, name):
     return hvd.allreduce(torch.tensor(val), name=name).item()
@@ -61,6 +63,15 @@ out["own_grad"] = model2.weight.grad.reshape(-1).tolist()
 own = model2.weight.grad.clone()
 opt2.synchronize()
 out["sum_grad"] = model2.weight.grad.reshape(-1).tolist()
+# a sparse gradient (nn.Embedding(sparse=True)) goes dense, as with Horovod's sparse_as_dense=True
+emb = torch.nn.Embedding(6, 2, sparse=True)
+hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
+out["emb0"] = emb.weight.detach().tolist()
+opt3 = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), emb.named_parameters(),
+                                sparse_as_dense=True)
+emb(torch.tensor([hvd.rank()])).sum().backward()
+opt3.step()
+out["emb"] = emb.weight.detach().tolist()
 print(json.dumps(out), flush=True)
 hvd.shutdown()
 '''
@@ -86,4 +97,8 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
     summed = np.add(results[0]["own_grad"], results[1]["own_grad"])
     for r in results:
         np.testing.assert_allclose(r["sum_grad"], summed, rtol=1e-6)
+    # rows 0 and 1 each got one worker's gradient of ones, averaged over 2 workers: -0.5 each
+    assert results[0]["emb"] == results[1]["emb"]
+    np.testing.assert_allclose(results[0]["emb"], np.add(results[0]["emb0"], [[-0.5] * 2] * 2 + [[0] * 2] * 4),
+                               rtol=1e-6)
     assert c.wait_daemons() == [0] * (1 + servers)
