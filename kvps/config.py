@@ -42,8 +42,9 @@ VARIABLES = (
                                            "(MXNet's default is 1,000,000; smaller spreads the load evenly)", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
     Var("KVPS_PARTITION_BYTES", 4 << 20, int, "a split array is cut into parts of at most this size (0: one part "
                                                "per server), dealt round the servers"),
-    Var("KVPS_MESSAGE_BYTES", 4 << 20, int, "a call's data to one server goes in messages of about this size, so "
-                                           "the server can answer early ones while later ones arrive"),
+    Var("KVPS_MESSAGE_BYTES", 1 << 20, int, "a call's data to one server goes in messages of about this size, so "
+                                           "the server can answer early ones while later ones arrive (4x that to a "
+                                           "co-located server through shared memory, whose payloads skip the socket)"),
     Var("KVPS_SEND_CREDIT", 4 << 20, int, "a worker hands the network at most this many bytes of data messages "
                                           "at a time, so a call with a higher priority overtakes bulk already "
                                           "queued (ByteScheduler's credit; 0: send in call order, priority ignored)"),

@@ -35,13 +35,16 @@ def _bytes(array):
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
+SHM_MESSAGES = 4      # a message to a server through shared memory carries 4x KVPS_MESSAGE_BYTES
+
+
 class Messages:
     """A call's requests: per server, entries gathered into messages of about `limit` bytes, so a
     server can work on (and answer) the first ones while the rest are still on the wire, and of at
     most MAX_ENTRIES entries, which is all a server decodes."""
 
     def __init__(self, limit, meta=None):
-        self.limit = limit
+        self.limit = limit           # bytes, or a function of the server giving them
         self.meta = meta or {}       # sent in every message's header
         self._open = {}              # server -> [entries, payloads, bytes, shared-memory meta]
         self._all = []               # (server, message) in the order they were opened
@@ -61,7 +64,8 @@ class Messages:
         """Entries [(entry, payload or None, size)] that must travel in one message; returns it."""
         total = sum(size for _, _, size in items)
         message = self._open.get(server)
-        if message is None or (message[2] and message[2] + total > self.limit) or \
+        limit = self.limit(server) if callable(self.limit) else self.limit
+        if message is None or (message[2] and message[2] + total > limit) or \
                 len(message[0]) + len(items) > MAX_ENTRIES:
             message = self._open[server] = [[], [], 0, {}]
             self._all.append((server, message))
@@ -185,7 +189,7 @@ class DistKVStore(KVStore):
         """Messages carrying each array's parts; with a codec, float32 parts go compressed. The keys
         in `shared` ({key: push regions}, see _shareable) are copied into those regions instead;
         `replies`: ask for each part's value in its reply region where one is free (PUSHPULL)."""
-        messages = Messages(self.cfg.message_bytes, {"codec": codec} if codec else {})
+        messages = Messages(self._message_bytes, {"codec": codec} if codec else {})
         for info, array in items:
             flat = array.reshape(-1)
             code = dtype_code(info.dtype)
@@ -209,6 +213,12 @@ class DistKVStore(KVStore):
         return messages
 
     # ---- shared memory with co-located servers (kvps/wire/shm.py) ----
+    def _message_bytes(self, server):
+        """How big a call's messages to `server` grow (KVPS_MESSAGE_BYTES): over the network, small
+        enough that the server answers the first while the rest are on the wire; to a co-located
+        server through shared memory, whose payloads do not cross the socket, SHM_MESSAGES times that."""
+        return self.cfg.message_bytes * (SHM_MESSAGES if self._arena(server) is not None else 1)
+
     def _arena(self, server):
         """The shared memory with server rank `server`, or None: it is on another host, or KVPS_SHM=0."""
         try:
@@ -271,7 +281,7 @@ class DistKVStore(KVStore):
     def _bare(self, infos, replies=False):
         """Messages asking for each key's parts (sized by what the replies will carry); `replies`: in
         their reply regions of shared memory where free (PULL)."""
-        messages = Messages(self.cfg.message_bytes)
+        messages = Messages(self._message_bytes)
         for info in infos:
             code = dtype_code(info.dtype)
             for part in info.parts:
