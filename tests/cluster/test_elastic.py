@@ -1,8 +1,11 @@
 """Elastic workers (KVPS_ELASTIC=1) on a real job: kill -9 one worker of three in a dist_sync job;
 the others go on, their rounds summing the workers that remain, and see num_workers drop to 2; a
-replacement started with the same command joins, gets the current weights, and the count is 3 again."""
+replacement started with the same command joins, gets the current weights, and the count is 3 again
+(over CurveZMQ too, the replacement holding its rank's key)."""
 import sys
 import time
+
+import pytest
 
 from harness import wait_for
 
@@ -37,8 +40,10 @@ print(json.dumps({"done": step, "n": kv.num_workers}), flush=True)
 DIE_AT = 5
 
 
-def test_dead_worker_is_removed_and_replaced(cluster):
-    c = cluster(3, 2, env={"KVPS_ELASTIC": "1", "KVPS_BIGARRAY_BOUND": "2"})
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_dead_worker_is_removed_and_replaced(cluster, curve):
+    """With CurveZMQ too: the replacement holds the dead worker's key (its rank's secret file)."""
+    c = cluster(3, 2, env={"KVPS_ELASTIC": "1", "KVPS_BIGARRAY_BOUND": "2"}, curve=curve)
     path = c.dir / "worker.py"
     path.write_text(SCRIPT)
     # the same command for every worker; only W1's environment says when it stops to be killed
@@ -50,7 +55,8 @@ def test_dead_worker_is_removed_and_replaced(cluster):
     killed = time.monotonic()
     wait_for(lambda: any(line.get("n") == 2 for line in c.output("W0")), 20, "W0 to see 2 workers")
     removed_after = time.monotonic() - killed
-    new = c._spawn("W1new", [sys.executable, str(path)], env=dict(c.env, KVPS_RANK="1"))
+    new = c._spawn("W1new", [sys.executable, str(path)],
+                   env=dict(c.env, KVPS_RANK="1", **({"KVPS_SECRET_FILE": c.secrets["W1"]} if curve else {})))
     c.wait([procs[0], procs[2], new], 60)
     for name, p in (("W0", procs[0]), ("W2", procs[2]), ("W1new", new)):
         assert p.returncode == 0, (name, c.logs())
