@@ -49,6 +49,7 @@ close with the workers that remain (a push it made before it died still counts i
 new worker's pull waits for it, so it starts from the current value and pushes into the next round.
 """
 import logging
+import os
 import time
 
 import numpy as np
@@ -62,7 +63,8 @@ from kvps.ps.clocks import WAIT, Clocks
 log = logging.getLogger("kvps.server")
 
 
-POOL_BYTES = int(__import__("os").environ.get("KVPS_TEST_POOL_BYTES", 1 << 20))                                     # rounds of keys this big go to the pool
+# rounds of keys this big go to the pool (KVPS_TEST_POOL_BYTES, test only: the suite pools every round)
+POOL_BYTES = int(os.environ.get("KVPS_TEST_POOL_BYTES", 1 << 20))
 SMALL_SUM = 16384                                        # elements: below this numpy sums a round
 EXACT_SUM = (np.dtype(np.float32), np.dtype(np.float64))
 

@@ -1,6 +1,6 @@
 """Horovod's process API on kvps, so `import kvps.torch as hvd` runs a horovod.torch script:
-hvd.init(), rank(), size(), local_rank(), local_size(), allreduce, broadcast, broadcast_object,
-Compression, Average and Sum (DistributedOptimizer, broadcast_parameters,
+hvd.init(), rank(), size(), local_rank(), local_size(), allreduce, allgather, broadcast,
+broadcast_object, allgather_object, Compression, Average and Sum (DistributedOptimizer, broadcast_parameters,
 broadcast_optimizer_state and join are kvps.torch's own, with Horovod's arguments).
 
 Collectives are named by the tensor's `name` (Horovod's name=) or, without one, by its dtype
@@ -177,6 +177,53 @@ def allreduce(tensor, average=None, name=None, op=None, compression=None):
     if compression not in (None, Compression.none):
         raise ValueError("hvd.allreduce(compression=...) is not supported: compress in DistributedOptimizer")
     return allreduce_(tensor.detach().clone(), average, name, op)
+
+
+def allgather(tensor, name=None):
+    """Every worker's `tensor` concatenated along the first dimension, in rank order (Horovod's
+    hvd.allgather; the first dimension may differ between workers, the others may not: with a
+    name, a difference is an error naming the shapes; without, the calls wait for each other until
+    KVPS_TIMEOUT). Each worker writes its rows into zeros at its offset and a summing pushpull puts
+    them together."""
+    if not torch.is_tensor(tensor):
+        raise TypeError(f"allgather takes a torch tensor, not a {type(tensor).__name__}")
+    kv = _kv()
+    if kv.type not in SUMMING:
+        raise ValueError(f"hvd.allgather needs a kvstore whose pushpull sums (dist_sync, allreduce); this "
+                         f"process's is {kv.type}")
+    value = tensor.detach().cpu()
+    if value.dim() == 0:
+        value = value.reshape(1)
+    rows = torch.zeros(kv.num_workers, dtype=torch.int64)
+    rows[kv.rank] = value.shape[0]
+    tag = name if name is not None else f"{str(value.dtype).split('.')[1]}{list(value.shape[1:])}"
+    allreduce_(rows, name=f"allgather/{tag}/rows", op=Sum)
+    total, start = int(rows.sum()), int(rows[:kv.rank].sum())
+    out = torch.zeros((total, *value.shape[1:]), dtype=value.dtype)
+    out[start:start + value.shape[0]] = value
+    exact = out if out.is_floating_point() or out.dtype in (torch.int32, torch.int64) else out.to(torch.int64)
+    allreduce_(exact, name=f"allgather/{tag}/{total}", op=Sum)
+    return (exact if exact is out else exact.to(value.dtype)).to(tensor.device)
+
+
+def allgather_object(obj, name=None):
+    """Every worker's `obj` in a list, in rank order; JSON, never pickle (as broadcast_object)."""
+    try:
+        data = json.dumps(obj).encode()
+    except (TypeError, ValueError) as exc:
+        data = json.dumps({_REFUSED: f"allgather_object sends JSON, never pickle: {exc}"}).encode()
+    parts = allgather(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32), name=name)
+    sizes = torch.zeros(size(), dtype=torch.int64)
+    sizes[rank()] = len(data)
+    allreduce_(sizes, name=f"allgather_object/{name}/sizes", op=Sum)
+    out, start = [], 0
+    for n in sizes.tolist():
+        got = json.loads(bytes(parts[start:start + n].to(torch.uint8).tolist()))
+        if isinstance(got, dict) and _REFUSED in got:
+            raise TypeError(got[_REFUSED])
+        out.append(got)
+        start += n
+    return out
 
 
 def broadcast_(tensor, root_rank, name=None):

@@ -48,6 +48,10 @@ counts = hvd.allreduce(torch.tensor([1, hvd.rank()]), op=hvd.Sum)       # unname
 out["counts"] = counts.tolist()
 out["from1"] = hvd.broadcast(torch.full((3,), float(hvd.rank())), root_rank=1).tolist()
 out["object"] = hvd.broadcast_object({"epoch": 3, "rank": hvd.rank()}, root_rank=0)
+mine = torch.arange(2 + hvd.rank(), dtype=torch.float32).reshape(-1, 1) + 10 * hvd.rank()   # 2 and 3 rows
+out["gathered"] = hvd.allgather(mine, name="rows").reshape(-1).tolist()
+out["gathered_int"] = hvd.allgather(torch.tensor([hvd.rank() + 1], dtype=torch.int8)).tolist()
+out["objects"] = hvd.allgather_object({"rank": hvd.rank(), "word": "ab" * (hvd.rank() + 1)})
 try:
     hvd.broadcast_object({"f": lambda: None} if hvd.rank() == 0 else None, root_rank=0)
 except TypeError as exc:
@@ -87,6 +91,8 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
             (2, r["rank"], 2, 1, True), r
         assert r["counts"] == [2, 1] and r["from1"] == [1.0] * 3, r
         assert r["object"] == {"epoch": 3, "rank": 0}, r
+        assert r["gathered"] == [0.0, 1.0, 10.0, 11.0, 12.0] and r["gathered_int"] == [1, 2], r
+        assert r["objects"] == [{"rank": 0, "word": "ab"}, {"rank": 1, "word": "abab"}], r
         assert "never pickle" in r["refused"] and "root_rank 0" in r["refused"], r
         for epoch, e in enumerate(r["losses"]):
             mean = np.mean([other["losses"][epoch]["local"] for other in results])
