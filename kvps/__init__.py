@@ -14,8 +14,8 @@ from kvps.kvstore.allreduce import allreduce
 
 __version__ = "0.1.0"
 
-__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "KVPSError", "ConfigError", "ProtocolError", "KVTimeoutError",
-           "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
+__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "KVPSError", "ConfigError", "ProtocolError",
+           "KVTimeoutError", "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
 
 
 def _serve_mxnet_style():

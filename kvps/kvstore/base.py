@@ -122,7 +122,8 @@ class KVStore(abc.ABC):
     def _set_updater(self, updater):
         """MXNet's updater function runs only in a 'local' kvstore (kvps/kvstore/local.py). A dist
         kvstore's servers run no code sent to them, only the optimizers their operator installed."""
-        raise KVPSError(f"a {self.type} kvstore cannot run the updater function {getattr(updater, '__name__', updater)!r}: "
+        name = getattr(updater, "__name__", updater)
+        raise KVPSError(f"a {self.type} kvstore cannot run the updater function {name!r}: "
                         f"its servers run only installed optimizers (use kv.set_optimizer(kvps.optimizer."
                         f"create('sgd', ...)), or install a rule plugin: docs/optimizers.md); an updater runs "
                         f"in kvps.create('local')")

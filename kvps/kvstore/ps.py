@@ -627,9 +627,9 @@ class DistKVStore(KVStore):
         """MXNet's call, in dist mode too (MXNet refuses there, its issue #15923): one worker saves
         the servers' optimizer state, with the values and counters, as a checkpoint directory
         `fname`. Not a collective: one worker may call it (MXNet scripts test kv.rank == 0), or
-        every worker (each gets a complete checkpoint; the servers write one save at a time). The optimizer's name and parameters are
-        always in the manifest (JSON, never pickle); dump_optimizer=True also lets
-        load_optimizer_states set it when none is set."""
+        every worker (each gets a complete checkpoint; the servers write one save at a time). The
+        optimizer's name and parameters are always in the manifest (JSON, never pickle);
+        dump_optimizer=True also lets load_optimizer_states set it when none is set."""
         self.wait_all()
         self._checkpoints.wait()
         self._checkpoints.start_save(fname, None, dump_optimizer)()

@@ -41,6 +41,6 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            "Session",
            # Horovod's names (kvps/torch/horovod.py): import kvps.torch as hvd
            "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_initialized", "shutdown",
-           "allreduce", "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object", "Compression", "Average",
-           "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
-           "gloo_enabled"]
+           "allreduce", "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
+           "Compression", "Average", "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled",
+           "mpi_threads_supported", "gloo_built", "gloo_enabled"]

@@ -132,25 +132,45 @@ def shutdown():
 
 
 _DECLARED = weakref.WeakKeyDictionary()       # kvstore -> {allreduce key: (dtype, shape)}
+_REFUSED = "kvps.torch: refused"               # a JSON object that stands for "the sender's object was not JSON"
 
 
-def _collective_key(kind, tensor, name):
-    what = name if name is not None else f"{str(tensor.dtype).split('.')[1]}{list(tensor.shape)}"
-    return f"kvps.torch/{kind}/{what}"
+def _summing_kv(what, tensor):
+    """The process's kvstore, after checking that `tensor` is a tensor and the kvstore's pushpull sums."""
+    if not torch.is_tensor(tensor):
+        raise TypeError(f"{what} takes a torch tensor, not a {type(tensor).__name__}")
+    kv = _kv()
+    if kv.type not in SUMMING:
+        raise ValueError(f"hvd.{what} needs a kvstore whose pushpull sums (dist_sync, allreduce); this "
+                         f"process's is {kv.type}")
+    return kv
+
+
+def _dtype_name(tensor):
+    return str(tensor.dtype).split(".")[1]
+
+
+def _json(obj, what):
+    """obj as JSON text, or, when JSON cannot carry it, a refusal every receiver raises (none waits)."""
+    try:
+        return json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        return json.dumps({_REFUSED: f"{what} sends JSON, never pickle: {exc}"})
+
+
+def _unless_refused(got, whose):
+    if isinstance(got, dict) and _REFUSED in got:
+        raise TypeError(f"{got[_REFUSED]} ({whose})")
+    return got
 
 
 def allreduce_(tensor, average=None, name=None, op=None):
     """Sum or average `tensor` over every worker, in place; returns it."""
     mean = reduction(op, average)
-    if not torch.is_tensor(tensor):
-        raise TypeError(f"allreduce takes a torch tensor, not a {type(tensor).__name__}")
-    kv = _kv()
-    if kv.type not in SUMMING:
-        raise ValueError(f"hvd.allreduce needs a kvstore whose pushpull sums (dist_sync, allreduce); this "
-                         f"process's is {kv.type}")
+    kv = _summing_kv("allreduce", tensor)
     if tensor.numel() == 0:
         return tensor
-    key = _collective_key("allreduce", tensor, name)
+    key = f"kvps.torch/allreduce/{name if name is not None else _dtype_name(tensor) + str(list(tensor.shape))}"
     value = tensor.detach()
     work = value if value.device.type == "cpu" and value.is_contiguous() else value.cpu().contiguous()
     if work.dtype == torch.float32 and getattr(kv, "_codec", None) is not None:
@@ -179,49 +199,39 @@ def allreduce(tensor, average=None, name=None, op=None, compression=None):
     return allreduce_(tensor.detach().clone(), average, name, op)
 
 
-def allgather(tensor, name=None):
-    """Every worker's `tensor` concatenated along the first dimension, in rank order (Horovod's
-    hvd.allgather; the first dimension may differ between workers, the others may not: with a
-    name, a difference is an error naming the shapes; without, the calls wait for each other until
-    KVPS_TIMEOUT). Each worker writes its rows into zeros at its offset and a summing pushpull puts
-    them together."""
-    if not torch.is_tensor(tensor):
-        raise TypeError(f"allgather takes a torch tensor, not a {type(tensor).__name__}")
-    kv = _kv()
-    if kv.type not in SUMMING:
-        raise ValueError(f"hvd.allgather needs a kvstore whose pushpull sums (dist_sync, allreduce); this "
-                         f"process's is {kv.type}")
+def _gather(tensor, name):
+    """(every worker's rows of `tensor` in rank order, each worker's row count). Each worker writes
+    its rows into zeros at its offset and a summing pushpull puts them together."""
+    kv = _summing_kv("allgather", tensor)
     value = tensor.detach().cpu()
     if value.dim() == 0:
         value = value.reshape(1)
     rows = torch.zeros(kv.num_workers, dtype=torch.int64)
     rows[kv.rank] = value.shape[0]
-    tag = name if name is not None else f"{str(value.dtype).split('.')[1]}{list(value.shape[1:])}"
+    tag = name if name is not None else _dtype_name(value) + str(list(value.shape[1:]))
     allreduce_(rows, name=f"allgather/{tag}/rows", op=Sum)
     total, start = int(rows.sum()), int(rows[:kv.rank].sum())
     out = torch.zeros((total, *value.shape[1:]), dtype=value.dtype)
     out[start:start + value.shape[0]] = value
     exact = out if out.is_floating_point() or out.dtype in (torch.int32, torch.int64) else out.to(torch.int64)
     allreduce_(exact, name=f"allgather/{tag}/{total}", op=Sum)
-    return (exact if exact is out else exact.to(value.dtype)).to(tensor.device)
+    return (exact if exact is out else exact.to(value.dtype)), rows.tolist()
+
+
+def allgather(tensor, name=None):
+    """Every worker's `tensor` concatenated along the first dimension, in rank order (Horovod's
+    hvd.allgather: the first dimension may differ between workers, the others must not)."""
+    return _gather(tensor, name)[0].to(tensor.device)
 
 
 def allgather_object(obj, name=None):
     """Every worker's `obj` in a list, in rank order; JSON, never pickle (as broadcast_object)."""
-    try:
-        data = json.dumps(obj).encode()
-    except (TypeError, ValueError) as exc:
-        data = json.dumps({_REFUSED: f"allgather_object sends JSON, never pickle: {exc}"}).encode()
-    parts = allgather(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32), name=name)
-    sizes = torch.zeros(size(), dtype=torch.int64)
-    sizes[rank()] = len(data)
-    allreduce_(sizes, name=f"allgather_object/{name}/sizes", op=Sum)
+    data = _json(obj, "allgather_object").encode()
+    parts, sizes = _gather(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32), name)
     out, start = [], 0
-    for n in sizes.tolist():
-        got = json.loads(bytes(parts[start:start + n].to(torch.uint8).tolist()))
-        if isinstance(got, dict) and _REFUSED in got:
-            raise TypeError(got[_REFUSED])
-        out.append(got)
+    for r, n in enumerate(sizes):
+        out.append(_unless_refused(json.loads(bytes(parts[start:start + n].to(torch.uint8).tolist())),
+                                   f"rank {r}'s object"))
         start += n
     return out
 
@@ -241,18 +251,7 @@ def broadcast(tensor, root_rank, name=None):
 
 def broadcast_object(obj, root_rank=0, name=None):
     """root_rank's `obj` on every worker. kvps sends it as JSON, never pickle (docs/security.md):
-    dicts, lists, strings, numbers, booleans and None; anything else is a TypeError."""
+    dicts, lists, strings, numbers, booleans and None; anything else is a TypeError on every worker."""
     kv = _kv()
-    sent = obj
-    if kv.rank == root_rank:
-        try:
-            json.dumps(obj)
-        except (TypeError, ValueError) as exc:       # every worker hears of it, none waits
-            sent = {_REFUSED: f"broadcast_object sends JSON, never pickle: {exc}"}
-    got = _broadcast_json(sent, root_rank, kv)
-    if isinstance(got, dict) and _REFUSED in got:
-        raise TypeError(f"{got[_REFUSED]} (root_rank {root_rank}'s object)")
-    return got
-
-
-_REFUSED = "kvps.torch: refused"
+    sent = json.loads(_json(obj, "broadcast_object")) if kv.rank == root_rank else None
+    return _unless_refused(_broadcast_json(sent, root_rank, kv), f"root_rank {root_rank}'s object")

@@ -253,7 +253,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
                          k_steps=None, op=None, gradient_predivide_factor=1.0, sparse_as_dense=False):
     """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
 
-    mode: None (the process's kvstore's mode: kvps.torch.init), "sync" (dist_sync servers sum gradients), "allreduce" (ring all-reduce), or "async"
+    mode: None (the mode of the process's kvstore: kvps.torch.init), "sync" (dist_sync servers sum
+    gradients), "allreduce" (ring all-reduce), or "async"
     (dist_async: update_on="server", the default, runs the optimizer on the servers; "worker"
     steps locally and pushes weight deltas), or "geo" (dist_geo, GEO-SGD: every worker steps
     locally and every k_steps steps sends its weights' change and takes the merged weights;
@@ -275,6 +276,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
     Raises ValueError for bad arguments and for optimizers the servers cannot run (async)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    if isinstance(optimizer, _Distributed):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
     if mode is None:
         mode = _SESSION.mode_of(_SESSION.kvstore(kvstore=kvstore, k_steps=k_steps))
     average = horovod.reduction(op)
@@ -284,8 +287,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
                          f"other than 1 only with op=hvd.Average in mode 'sync' or 'allreduce' (as in Horovod)")
     if not average and mode not in ("sync", "allreduce"):
         raise ValueError(f"op=hvd.Sum applies to mode='sync' or 'allreduce', not mode={mode!r}")
-    if isinstance(optimizer, _Distributed):
-        raise ValueError("this optimizer is already a DistributedOptimizer")
     _type(mode)
     if update_on not in (None, "server", "worker") or (update_on is not None and mode != "async"):
         raise ValueError(f"update_on={update_on!r}: give 'server' or 'worker', and only with mode='async'")

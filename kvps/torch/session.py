@@ -51,8 +51,9 @@ class Session:
         """The mode a kvstore runs: the one it was made for, or the one its type implies."""
         if kv is self.kv and self.mode is not None:
             return self.mode
-        return {"dist_async": "async", "allreduce": "allreduce"}.get(kv.type, "geo" if getattr(kv, "mode", None) == "geo"
-                                                                     else "sync")
+        if getattr(kv, "mode", None) == "geo":
+            return "geo"
+        return {"dist_async": "async", "allreduce": "allreduce"}.get(kv.type, "sync")
 
 
 _SESSION = Session()   # the one piece of process state: see Session

@@ -410,9 +410,9 @@ class Van:
             not isinstance(f, bytes) and memoryview(f).nbytes >= TRACK_BYTES for f in frames[1:])
         nbytes = sum(memoryview(f).nbytes for f in frames[1:]) if big else 0
         if big and not self._unread.fits(routing_id, nbytes):
-            self._dropped["bytes"](log, logging.WARNING, "%s: a %d-byte reply dropped: the client has %d bytes of replies "
-                            "it has not read (KVPS_PEER_REPLY_BYTES)", self.name, nbytes,
-                            self._unread.held(routing_id))
+            self._dropped["bytes"](log, logging.WARNING, "%s: a %d-byte reply dropped: the client has %d bytes "
+                                   "of replies it has not read (KVPS_PEER_REPLY_BYTES)", self.name, nbytes,
+                                   self._unread.held(routing_id))
             return
         try:
             # Never blocks: a client whose queue is full (KVPS_PEER_QUEUE) raises zmq.Again here.
@@ -424,8 +424,8 @@ class Van:
                 self._router.send(routing_id, zmq.NOBLOCK | SNDMORE)
                 _send(self._router, frames)
         except zmq.Again:
-            self._dropped["queue"](log, logging.WARNING, "%s: a reply dropped: the client reads none and has %d messages "
-                            "queued (KVPS_PEER_QUEUE)", self.name, self._peer_queue)
+            self._dropped["queue"](log, logging.WARNING, "%s: a reply dropped: the client reads none and has %d "
+                                   "messages queued (KVPS_PEER_QUEUE)", self.name, self._peer_queue)
         except zmq.ZMQError as exc:
             self.complaints(log, logging.WARNING, "%s: reply to a client that went away dropped (%s)", self.name, exc)
 
@@ -638,7 +638,11 @@ class Unread:
         return self._bytes.get(client, 0)
 
     def fits(self, client, nbytes):
-        return not self.limit or self.held(client) + nbytes <= self.limit or not self.held(client)
+        """Whether a reply of nbytes may go to `client` (always, when nothing else is held for it)."""
+        if not self.limit:
+            return True
+        held = self.held(client)
+        return not held or held + nbytes <= self.limit
 
     def add(self, client, tracker, nbytes):
         if not self.limit:
