@@ -48,6 +48,10 @@ VARIABLES = (
     Var("KVPS_SEND_CREDIT", 4 << 20, int, "a worker hands the network at most this many bytes of data messages "
                                           "at a time, so a call with a higher priority overtakes bulk already "
                                           "queued (ByteScheduler's credit; 0: send in call order, priority ignored)"),
+    Var("KVPS_LANE_BYTES", 1 << 16, int, "a call of at most this many payload bytes (not async_op=True) is sent and "
+                                         "answered on the calling thread's own connections, without the hand-offs "
+                                         "to the I/O thread (kvps/wire/lane.py); 0: every call goes through the "
+                                         "I/O thread"),
     Var("KVPS_SHM", 1, int, "1: a worker and a server on one host move big payloads through shared memory, "
                             "and ZeroMQ carries only headers (kvps/wire/shm.py); 0: everything over TCP"),
     Var("KVPS_MAX_MESSAGE_BYTES", 2 << 30, int, "the biggest frame a node accepts (ZMQ_MAXMSGSIZE on every socket): "
@@ -162,6 +166,7 @@ class Config:
     partition_bytes: int = _default("partition_bytes")
     message_bytes: int = _default("message_bytes")
     send_credit: int = _default("send_credit")
+    lane_bytes: int = _default("lane_bytes")
     max_message_bytes: int = _default("max_message_bytes")
     peer_queue: int = _default("peer_queue")
     server_threads: int = _default("server_threads")

@@ -22,7 +22,9 @@ from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, d
 from kvps.wire.requests import Handle, remember
 from kvps.kvstore.base import KeyInfo, KVStore
 from kvps.kvstore.checkpointer import Checkpointer
+from kvps.kvstore.order import Order
 from kvps.kvstore.pull_ahead import PullAhead, Stash
+from kvps.wire.lane import Lanes
 from kvps.wire.membership import Worker
 from kvps.wire.shm import MIN_BYTES, Arena, ShmRefused
 from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, numpy_dtype
@@ -36,6 +38,8 @@ def _bytes(array):
 
 
 SHM_MESSAGES = 4      # a message to a server through shared memory carries 4x KVPS_MESSAGE_BYTES
+LANE_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.ROW_SPARSE_PULL})
+_AUTO = object()      # _send: choose the way (lane or I/O thread) there
 
 
 class Messages:
@@ -76,6 +80,11 @@ class Messages:
         message[2] += total
         return message
 
+    @property
+    def nbytes(self):
+        """The bytes the messages carry (or, for pulls, ask for)."""
+        return sum(message[2] for _, message in self._all)
+
     def __iter__(self):
         return ((server, entries, payloads, dict(self.meta, **shared))
                 for server, (entries, payloads, _, shared) in self._all)
@@ -105,8 +114,14 @@ class DistKVStore(KVStore):
         self._pulled = None              # and their kvps.ps.compression.PullDecoder
         self._copies = {}                # key -> (private copy of its last push, that push's handle)
         self._arenas = {}                # server rank -> shm.Arena shared with it, or None (TCP only)
-        # key -> the handle of this worker's last request naming it, when resends may reorder requests
-        self._last = {} if self._node.requests.resend_after else None
+        # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
+        self._order = Order(strict=bool(self._node.requests.resend_after))
+        # small calls go on the calling thread's own connections (kvps/wire/lane.py), except where a
+        # request may have to be sent again or elsewhere (resends, faults, replicas)
+        self._lanes = None
+        if self.cfg.lane_bytes and not self.cfg.replicas and not self._node.requests.resend_after and \
+                self._node.faults is None:
+            self._lanes = Lanes(self._node, self._server_address)
         # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read
         self._ahead = PullAhead() if consistency.wire() == "sync" else None
         self._checkpoints = Checkpointer(self._node, self.cfg, self._keys, self._num_servers, consistency.wire())
@@ -127,9 +142,10 @@ class DistKVStore(KVStore):
     num_servers = property(lambda self: self._num_servers)
 
     # ---- plumbing ----
-    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=(), priority=0):
+    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=(), priority=0, lane=_AUTO):
         """Send the requests of a Messages batch under one Handle; returns it. Higher priorities
-        leave first among the requests waiting for the network (kvps/wire/schedule.py)."""
+        leave first among the requests waiting for the network (kvps/wire/schedule.py). `lane`: the
+        way chosen by the caller (_route), else chosen here."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
@@ -144,12 +160,16 @@ class DistKVStore(KVStore):
         if self._pull_codec is not None and op in (Op.PULL, Op.PUSHPULL):
             for _, header, _, _ in items:
                 header.meta["pull"] = self._pull_codec
-        keys = self._in_order(items) if self._last is not None else ()
+        keys = {e.key for _, header, _, _ in items for e in header.keys}
+        if lane is _AUTO:
+            lane = self._route(op, keys, messages.nbytes, bool(messages.regions), async_op)
         if self._node.telemetry is not None and items:      # the call's latency and timeline events
             items = self._node.telemetry.watch_call(op, items, self._node.name, int(priority))
-        handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
-        for key in keys:
-            self._last[key] = handle
+        if lane is not None:
+            handle = lane.request_many(items, what, self.cfg.timeout, keep=keep)
+        else:
+            handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
+        self._order.sent(keys, handle)
         for region in messages.regions:
             region.busy = handle
         handle.then = then
@@ -160,20 +180,18 @@ class DistKVStore(KVStore):
             return handle
         return _finish(handle)
 
-    def _in_order(self, items):
-        """With resends on, a lost request is sent again after later ones, so a pull could overtake
-        the push before it (and read the round before it): a request waits until this worker's
-        previous request naming any of its keys is answered. Returns the keys. (Without resends a
-        connection keeps the order and nothing waits.)"""
-        keys = {e.key for _, header, _, _ in items for e in header.keys}
-        for key in keys:
-            earlier = self._last.get(key)
-            if earlier is not None and not earlier.done():
-                try:
-                    earlier.wait()
-                except KVPSError:
-                    pass            # its own call, wait_all() or close() raises it
-        return keys
+    def _route(self, op, keys, nbytes, shared, async_op):
+        """The Lane a call goes on (kvps/wire/lane.py), or None for the I/O thread: a small call that
+        returns complete or early (not async_op=True, whose handle the caller may only poll), with
+        nothing in shared memory, unless one of its keys still waits on the I/O path. Waits for what
+        must be answered first (kvps/kvstore/order.py)."""
+        small = self._lanes is not None and op in LANE_OPS and async_op is not True and not shared and \
+            nbytes <= self.cfg.lane_bytes
+        return self._order.route(keys, self._lanes.mine() if small else None)
+
+    def _server_address(self, peer):
+        host, port, _ = self._node.membership["servers"][int(peer[1:])]
+        return host, port
 
     def _layout(self, key, shape, dtype):
         return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound, np.dtype(dtype).itemsize,
@@ -378,20 +396,25 @@ class DistKVStore(KVStore):
             self._forget(keys)
             messages = self._with_values(items, self._codec, shared)
             return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True, priority=priority)
-        # The caller may change its arrays once push returns: their values go into shared memory, or
-        # into private copies that zmq sends from.
-        items = [(info, array if info.key in shared else self._private(info, array)) for info, array in items]
         stash = Stash() if self._ahead is not None and self._ahead.wants(keys) else None
+        op = Op.PUSH if stash is None else Op.PUSHPULL
+        # The caller may change its arrays once push returns: their values go into shared memory, or
+        # on a lane, which sends (copies) them before push returns, or into private copies that zmq
+        # sends from.
+        lane = self._route(op, keys, sum(a.nbytes for _, a in items), bool(shared), None)
+        if lane is None:
+            items = [(info, array if info.key in shared else self._private(info, array)) for info, array in items]
         messages = self._with_values(items, self._codec, shared, replies=stash is not None)
-        if stash is None:
-            handle = self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=None, priority=priority)
-        else:
-            handle = stash.handle = self._send(Op.PUSHPULL, what, messages, on_reply=stash.keep,
-                                               keep=(items, messages), async_op=None, priority=priority)
+        handle = self._send(op, what, messages, on_reply=None if stash is None else stash.keep,
+                            keep=(items, messages), async_op=None, priority=priority, lane=lane)
+        if stash is not None:
+            stash.handle = handle
         if self._ahead is not None:
             self._ahead.pushed(keys, stash)
-        for info, array in items:
-            self._copies[info.key] = (array, handle)
+        if lane is None:
+            for info, array in items:
+                if info.key not in shared:      # a private copy, reusable once this push is over
+                    self._copies[info.key] = (array, handle)
         self._returned_early(handle)
         return handle
 

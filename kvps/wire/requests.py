@@ -129,6 +129,10 @@ class Requests:
         self.keep_data = keep_data      # keep data requests for redirect (never due for a resend)
         self.moved = {}                 # dead peer -> peer_for(header) of its redirect: later requests too
 
+    def next_id(self):
+        """A fresh request id, for a request that is not kept here (kvps/wire/lane.py)."""
+        return next(self._ids)
+
     def add(self, handle, peer, on_reply=None, message=None, control=False):
         """Register a request to `peer`; returns its id. on_reply(header, payloads) runs on the
         I/O thread before the handle counts the reply; an exception there fails the handle.

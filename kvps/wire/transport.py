@@ -43,7 +43,7 @@ log = logging.getLogger("kvps.transport")
 # finished reading an array it is about to change in place.
 TRACK_BYTES = 1 << 16
 # pyzmq's constants are enums; plain ints keep the hot path free of enum arithmetic.
-POLLIN, EVENTS, SNDMORE = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.SNDMORE)
+POLLIN, EVENTS, SNDMORE, NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.SNDMORE), int(zmq.NOBLOCK)
 # Frames smaller than this are copied on send: cheaper than zero-copy bookkeeping.
 COPY_BYTES = 1 << 16
 
@@ -101,6 +101,7 @@ class Van:
         self._unread = Unread()             # and the big replies clients have not read yet
         # replies dropped at each bound, logged apart from other complaints so neither hides the other
         self._dropped = {"queue": LogThrottle(lines=5), "bytes": LogThrottle(lines=5)}
+        self._adopted = weakref.WeakSet()   # what other threads own and must be closed before the context
 
     # ---- setup (call before start, or from the I/O thread) ----
     def secure(self, keys):
@@ -210,6 +211,32 @@ class Van:
                 done()
             raise
 
+    def dealer(self, peer, host, port):
+        """A DEALER to a peer for the calling thread's own use (kvps/wire/lane.py), made like the I/O
+        thread's (no queue bounds, CURVE, the message size limit). Its owner must close it before this
+        Van ends: adopt() the owner. Raises KVPSError once stopped."""
+        with self._lock:
+            if self._stopping or self._closed:
+                raise KVPSError(f"{self.name}: the transport is stopped (the node has left the job or shut "
+                                f"down); no connection to {peer}")
+            sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            self._curve.dial(sock, peer)
+        sock.connect(f"tcp://{host}:{port}")
+        return sock
+
+    def adopt(self, owner):
+        """Close `owner` (anything with close(), e.g. a kvps.wire.lane.Lane holding dealer() sockets)
+        as this Van ends, before its zmq context, unless it is collected first (it must then close
+        its sockets itself, as a Lane's finalizer does). Raises KVPSError once stopped."""
+        with self._lock:
+            if self._stopping or self._closed:
+                raise KVPSError(f"{self.name}: the transport is stopped (the node has left the job or shut down)")
+            self._adopted.add(owner)
+
     def call_soon(self, fn):
         """Run fn() on the I/O thread, from any thread (kvps/ps/pool.py posts its finished merges
         so). Raises KVPSError once stopped."""
@@ -230,6 +257,9 @@ class Van:
         frames = [header.encode(), *payloads]
         if self.telemetry is not None:
             self.telemetry.replied(routing_id, header.op, frames)
+        if not self._queue and not self._closed and threading.current_thread() is self._thread:
+            self._reply_now(routing_id, frames, on_tracker)     # a handler's reply: nothing to wait behind
+            return
         self._submit(("reply", routing_id, frames, on_tracker), None)
 
     def stop(self, timeout=5.0):
@@ -392,7 +422,7 @@ class Van:
             log.error("%s: no connection to %s; message dropped", self.name, peer)
         else:
             try:
-                _send(sock, frames)
+                send_message(sock, frames)
             except zmq.ZMQError as exc:
                 log.error("%s: sending to %s failed (%s); message dropped", self.name, peer, exc)
         if done is not None:
@@ -421,8 +451,8 @@ class Van:
                 self._unread.add(routing_id, tracker, nbytes)
                 on_tracker(tracker)
             else:
-                self._router.send(routing_id, zmq.NOBLOCK | SNDMORE)
-                _send(self._router, frames)
+                self._router.send(routing_id, NOBLOCK | SNDMORE)
+                send_message(self._router, frames)
         except zmq.Again:
             self._dropped["queue"](log, logging.WARNING, "%s: a reply dropped: the client reads none and has %d "
                                    "messages queued (KVPS_PEER_QUEUE)", self.name, self._peer_queue)
@@ -499,9 +529,9 @@ class Van:
         from_router = sock is self._router
         for _ in range(256):   # bounded so one busy peer cannot starve the rest
             try:
-                if not sock.getsockopt(EVENTS) & POLLIN:
+                frames = recv_message(sock)
+                if frames is None:
                     return
-                frames = sock.recv_multipart(copy=False)
             except zmq.ZMQError as exc:
                 self.complaints(log, logging.WARNING, "%s: receiving failed (%s)", self.name, exc)
                 return
@@ -583,6 +613,12 @@ class Van:
         if dropped:
             log.debug("%s: %d queued items dropped at close", self.name, len(dropped))
         dropped = item = None       # dropped payloads die here: their on_sent runs
+        adopted, self._adopted = list(self._adopted), weakref.WeakSet()
+        for owner in adopted:           # after _closed is set: no new ones (dealer, adopt refuse)
+            try:
+                owner.close()
+            except Exception:
+                log.exception("%s: closing %r failed", self.name, owner)
         if self._monitor is not None:
             self._router.disable_monitor()
             self._monitor.close(0)
@@ -654,7 +690,22 @@ class Unread:
         self._bytes[client] = self._bytes.get(client, 0) + nbytes
 
 
-def _send(sock, frames):
+def recv_message(sock):
+    """The next multipart message waiting on `sock`, as zmq.Frames, or None when none is. (Asking
+    EVENTS costs a third of the zmq.Again a failed recv raises. pyzmq's recv_multipart asks the socket
+    for RCVMORE after every frame, an option lookup that costs more than a small frame: a Frame knows
+    whether more follow.)"""
+    if not sock.getsockopt(EVENTS) & POLLIN:
+        return None
+    frame = sock.recv(NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(0, copy=False)
+        frames.append(frame)
+    return frames
+
+
+def send_message(sock, frames):
     """Send a multipart message: small frames are copied (pyzmq's fast path), big ones are not."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):

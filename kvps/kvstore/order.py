@@ -1,0 +1,61 @@
+"""A key's calls in order, whichever way each one travels.
+
+A worker's requests go two ways: through the node's I/O thread (big calls, shared memory) or on
+the calling thread's own lane (small calls, kvps/wire/lane.py). A connection delivers in order, so
+calls that go the same way keep their order by themselves; a call may only take the other way once
+the earlier calls naming its keys are answered. Order remembers, per key, the handle of the last
+request naming it, and before a call is sent says which way it goes, waiting where it must:
+
+    order = Order(strict=False)
+    lane = order.route(keys, lane)      # the Lane to use, or None for the I/O path
+    handle = ...send...
+    order.sent(keys, handle)
+
+A small call whose key still waits on the I/O path goes there too (nothing waits); a big call whose
+key waits on a lane first waits for that request (which is small). `strict` (resends on, where a
+lost request is sent again after later ones): every call first waits for the earlier requests
+naming its keys, whichever way they went.
+"""
+from kvps.errors import KVPSError
+from kvps.wire.lane import LaneHandle
+
+
+class Order:
+    def __init__(self, strict=False):
+        self.strict = strict
+        self._last = {}             # key -> handle of this worker's last request naming it
+
+    def route(self, keys, lane):
+        """The way a call on `keys` goes: `lane` (a Lane, or None when the call may not use one) or
+        None (the I/O path). Waits first for what must be answered before."""
+        earlier = []
+        for key in keys:
+            handle = self._last.get(key)
+            if handle is None:
+                continue
+            if handle.done():
+                del self._last[key]
+            else:
+                earlier.append(handle)
+        if not earlier:
+            return lane
+        if self.strict:
+            lane = None
+            wait = earlier
+        else:
+            if lane is not None and any(type(h) is not LaneHandle for h in earlier):
+                lane = None             # a key waits on the I/O path: follow it there
+            wait = [h for h in earlier if type(h) is LaneHandle and h.lane is not lane]
+        for handle in wait:
+            try:
+                handle.wait()
+            except KVPSError:
+                pass                    # its own call, wait_all() or close() raises it
+        return lane
+
+    def sent(self, keys, handle):
+        for key in keys:
+            self._last[key] = handle
+
+    def forget(self):
+        self._last.clear()

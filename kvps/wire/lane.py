@@ -1,0 +1,245 @@
+"""Lanes: a calling thread's own connections to the servers, for small calls (the fast path).
+
+A small call (at most KVPS_LANE_BYTES of payload in all, nothing in shared memory) need not go
+through the node's I/O thread. Its thread sends the requests itself, on a DEALER of its own to
+each server, and reads the replies itself when it waits. That saves the two hand-offs of the I/O
+path (wake the I/O thread to send; wake the caller when the reply is in), which are most of what
+a 1 KB round costs in Python, and leaves the I/O thread alone with heartbeats and big transfers.
+
+    lanes = Lanes(node)                         # a worker's; None-equivalent when KVPS_LANE_BYTES=0
+    lane = lanes.mine()                         # this thread's Lane (made on first use)
+    handle = lane.request_many(items, what, timeout, keep)   # sent before it returns
+    handle.wait()                               # reads this lane's replies until its own are in
+
+One thread owns each socket, as on the I/O thread: a lane is used by the thread that made it, and
+by any other thread only under the lane's lock (a handle waited for elsewhere, the node stopping).
+Waits read the sockets in slices of at most SLICE seconds and then check whether the job broke or
+the node stopped (the I/O thread learns of that; see Node.add_failure_listener), so a dead server
+ends a lane's wait as it ends every other wait: with the NodeFailure, within one slice.
+
+Request ids come from the node's own counter, so a server sees one stream of ids per connection
+(kvps/wire/window.py), as for the I/O thread's requests. Requests on one lane reach a server in
+the order they were sent; the kvstore keeps a key's calls in order across the two paths
+(kvps/kvstore/ps.py: Order). Lanes are off where a request may have to be sent again or to another
+server (KVPS_FAULTS, KVPS_RESEND_TIMEOUT, KVPS_REPLICAS): those need the I/O thread's resends.
+"""
+import threading
+import time
+import weakref
+
+import zmq
+
+from kvps.errors import KVPSError, KVTimeoutError, ProtocolError, remote_error
+from kvps.wire import protocol
+from kvps.wire.protocol import Op
+from kvps.wire.requests import Handle
+from kvps.wire.transport import recv_message, send_message
+
+SLICE = 0.05            # seconds a lane waits on its sockets before it checks for a failure or a stop
+BATCH = 256             # replies read from one socket at a time
+
+
+class LaneHandle(Handle):
+    """A Handle whose replies come on a lane: waiting for it reads them (on the waiting thread)."""
+
+    def __init__(self, what, timeout, keep, lane):
+        super().__init__(what, timeout, keep)
+        self.lane = lane
+
+    def wait(self, timeout=None):
+        timeout = self._timeout if timeout is None else timeout
+        if not self._finished and not self.lane.pump(self, timeout):
+            with self._lock:
+                peers = sorted(set(self._waiting.values()))
+            raise KVTimeoutError(f"{self.what}: no reply from {', '.join(peers) or 'peers'} "
+                                 f"within {timeout:g} s (KVPS_TIMEOUT)")
+        return super().wait(0)
+
+    def done(self):
+        if not self._finished:
+            self.lane.poll()        # nobody else reads its replies while the caller only asks
+        return self._finished
+
+
+class Lanes:
+    """A worker node's lanes, one per thread that makes small calls; all closed when the node stops.
+
+    `address(peer)` gives a server's (host, port); the node's Van makes the sockets (its context,
+    its CURVE keys and limits) and closes every lane before it ends."""
+
+    def __init__(self, node, address):
+        self._node = node
+        self._address = address
+        self._local = threading.local()
+        self._all = weakref.WeakSet()   # every live lane (a lane dies with its thread and its handles)
+        self.ended = None               # the NodeFailure or stop that ends every wait
+        node.add_failure_listener(self._end)
+
+    def _end(self, exc):
+        self.ended = exc
+
+    def mine(self):
+        """This thread's lane (made on first use). Raises KVPSError once the node has stopped."""
+        lane = getattr(self._local, "lane", None)
+        if lane is None or lane.closed:
+            lane = Lane(self)
+            self._node.van.adopt(lane)
+            self._local.lane = lane
+            self._all.add(lane)
+        return lane
+
+    def failure(self):
+        return self.ended or self._node.requests.failure
+
+    def sent(self):
+        """Requests sent on the lanes so far (of the lanes still alive)."""
+        return sum(lane.sent for lane in list(self._all))
+
+
+class Lane:
+    """One thread's DEALERs to the servers and the requests it has sent on them."""
+
+    def __init__(self, lanes):
+        self._lanes = lanes
+        self._node = lanes._node
+        self._socks = {}                # peer -> DEALER
+        self._peer_of = {}              # DEALER -> peer
+        self._poller = zmq.Poller()
+        self._pending = {}              # request id -> (handle, peer, on_reply)
+        self._lock = threading.Lock()   # held while a socket is used: by its thread, or a waiter elsewhere
+        self.closed = False
+        self.sent = 0
+        # A lane whose thread has ended and whose handles are gone closes its sockets as it is collected
+        # (nobody can use them then); the node's stop closes the others (Van.adopt).
+        self._finalizer = weakref.finalize(self, _close_sockets, self._socks)
+
+    def busy(self):
+        """Whether requests on this lane still wait for replies."""
+        return bool(self._pending)
+
+    def request_many(self, items, what, timeout, keep=()):
+        """Send requests [(peer, header, payloads, on_reply)] now, on this thread; returns a LaneHandle.
+        The payloads are copied as they are sent (they are small), so the caller may change them at
+        once. on_reply(header, payloads) runs on the thread that reads the reply."""
+        node = self._node
+        handle = LaneHandle(what, timeout, keep, self)
+        telemetry = node.telemetry
+        try:
+            with self._lock:
+                if self.closed:
+                    raise KVPSError(f"{node.name}: the transport is stopped (the node has left the job or shut "
+                                    f"down); {what} not sent")
+                failure = self._lanes.failure()
+                if failure is not None:
+                    raise failure
+                for peer, header, payloads, on_reply in items:
+                    header.id = node.requests.next_id()
+                    header.src = node.name
+                    frames = [header.encode(), *payloads]
+                    sock = self._socks.get(peer) or self._connect(peer)
+                    if telemetry is not None:
+                        telemetry.sent(peer, header.op, frames)
+                    self._pending[header.id] = (handle, peer, on_reply)
+                    handle._expect(header.id, peer)
+                    send_message(sock, frames)
+                    self.sent += 1
+                    if telemetry is not None and telemetry.timeline is not None:
+                        telemetry.handed(peer, header.id)
+        finally:
+            handle._arm()
+        return handle
+
+    def _connect(self, peer):
+        sock = self._node.van.dealer(peer, *self._lanes._address(peer))
+        self._socks[peer] = sock
+        self._peer_of[sock] = peer
+        self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def pump(self, handle, timeout):
+        """Read this lane's replies until `handle` is done (True) or `timeout` seconds pass (False).
+        Fails every waiting request at once when the job breaks or the node stops."""
+        deadline = time.monotonic() + timeout
+        while not handle._finished:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._lock:
+                if handle._finished:
+                    break
+                failure = self._lanes.failure()
+                if failure is not None or self.closed:
+                    self._fail(failure or self._stopped())
+                    break
+                for sock, _ in self._poller.poll(int(1000 * min(left, SLICE)) + 1):
+                    self._drain(sock)
+        return True
+
+    def poll(self):
+        """Read the replies already here, without waiting (completes returned calls early)."""
+        if not self._pending or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self.closed:
+                for sock in self._socks.values():
+                    self._drain(sock)
+        finally:
+            self._lock.release()
+
+    def _drain(self, sock):
+        """Hand on the replies waiting on one socket (with the lock held). A reply that does not
+        decode fails the request it names, if it can be read, else every request to that peer."""
+        peer = self._peer_of[sock]
+        telemetry = self._node.telemetry
+        for _ in range(BATCH):
+            frames = recv_message(sock)
+            if frames is None:
+                return
+            try:
+                header, payloads = protocol.unpack(frames)
+            except ProtocolError as exc:
+                self._fail(type(exc)(f"{peer}: {exc}"), peer)
+                continue
+            if telemetry is not None:
+                telemetry.received(("peer", peer), header, frames)
+            entry = self._pending.pop(header.id, None)
+            if entry is None:
+                continue            # the reply to a request whose wait timed out
+            handle, _, on_reply = entry
+            handle.meta = header.meta
+            error = None
+            if header.op == Op.ERROR:
+                error = remote_error(header.meta.get("kind"), header.meta.get("message", ""))
+            elif on_reply is not None:
+                try:
+                    on_reply(header, payloads)
+                except Exception as exc:    # a bad reply fails this call, not the lane
+                    error = exc
+            handle._answered(header.id, error)
+
+    def _fail(self, exc, peer=None):
+        """Fail the waiting requests (to `peer`, or all) with `exc` (with the lock held)."""
+        for request_id, (handle, to, _) in list(self._pending.items()):
+            if peer is None or to == peer:
+                del self._pending[request_id]
+                handle._answered(request_id, exc)
+
+    def close(self):
+        """Close the sockets (the node is stopping; from any thread): waits up to a slice for the
+        owner to let go of them, and fails what still waits."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._finalizer()
+            self._peer_of.clear()
+            self._fail(self._stopped())
+
+    def _stopped(self):
+        return KVPSError(f"{self._node.name} has stopped (it left the job or shut down)")
+
+
+def _close_sockets(socks):
+    for sock in socks.values():
+        sock.close(0)
+    socks.clear()

@@ -1,0 +1,136 @@
+"""Lanes (kvps/wire/lane.py): small calls go on the calling thread's own connections, big ones
+through the I/O thread, and a key's calls keep their order whichever way each goes. Results are the
+same with lanes off (KVPS_LANE_BYTES=0); a wait on a lane ends with the job's failure, or a timeout
+naming the server, like any other wait; each thread has its own lane."""
+import time
+
+import pytest
+
+# Keys: "s" small (always a lane call on its own), "b" big (split over both servers, never a lane
+# call), "m" small but also named together with "b" (then the call is big and goes through the I/O
+# thread), so its calls switch ways from one to the next.
+MIXED = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r, W = kv.rank, kv.num_workers
+kv.init(["s", "m", "b"], [np.zeros(16, np.float32), np.zeros(40, np.float32), np.zeros((600, 500), np.float32)])
+got = []
+for step in range(1, 5):
+    g = float((r + 1) * step)
+    tot = sum((w + 1) * step for w in range(W))
+    s, m, b = np.full(16, g, np.float32), np.full(40, g, np.float32), np.full((600, 500), g, np.float32)
+    kv.push(["m", "b"], [m, b])                 # big: the I/O thread; returns early
+    m[:] = -1; b[:] = -1
+    out_m = np.zeros(40, np.float32)
+    kv.pull("m", out=out_m)                     # small, but "m" waits on the I/O path: follows it there
+    kv.pushpull("m", np.full(40, g, np.float32), out=out_m)    # "m" is free again: a lane
+    kv.push("s", s)                             # a lane push that returns early
+    s[:] = -1
+    h = kv.pushpull("s", np.full(16, g, np.float32), async_op=True)   # async_op=True: the I/O thread
+    h.wait()
+    out_s = np.zeros(16, np.float32)
+    kv.pull("s", out=out_s, priority=3)         # a lane again
+    out_b = np.zeros((600, 500), np.float32)
+    kv.pull("b", out=out_b)
+    both = [np.zeros(40, np.float32), np.zeros((600, 500), np.float32)]
+    kv.pull(["m", "b"], out=both)
+    got.append({"m": [float(out_m.min()), float(out_m.max())], "s": [float(out_s.min()), float(out_s.max())],
+                "b": [float(out_b.min()), float(out_b.max())], "both": [float(both[0].min()), float(both[1].max())],
+                "want": tot})
+lanes = kv._lanes.sent() if kv._lanes is not None else 0
+print(json.dumps({"got": got, "lanes": lanes}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("lane_bytes", ["65536", "0"])
+def test_a_keys_calls_keep_their_order_whichever_way_they_go(cluster, lane_bytes):
+    c = cluster(2, 2, env={"KVPS_LANE_BYTES": lane_bytes})
+    results = c.run_workers(MIXED)
+    for (line,) in results:
+        for step in line["got"]:
+            want = step["want"]
+            assert step["m"] == [want, want] and step["s"] == [want, want], step
+            assert step["b"] == [want, want] and step["both"] == [want, want], step
+        if lane_bytes == "0":
+            assert line["lanes"] == 0, line
+        else:
+            # per step: the pushpull of "m", the push of "s" and the pull of "s" (one server each)
+            assert line["lanes"] >= 4 * 3, line
+    assert c.wait_daemons() == [0, 0, 0]
+
+
+THREADS = r'''
+import json, threading, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r = kv.rank
+kv.init(["t0", "t1"], [np.zeros(8, np.float32), np.zeros(8, np.float32)])
+seen, errors = {}, []
+def train(key):
+    try:
+        out = np.zeros(8, np.float32)
+        for step in range(1, 51):
+            kv.pushpull(key, np.full(8, (r + 1) * step, np.float32), out=out)
+            if out.min() != out.max() or out[0] != 3 * step:
+                errors.append((key, step, out.tolist()))
+        seen[key] = out.tolist()
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=train, args=(k,)) for k in ("t0", "t1")]
+for t in threads: t.start()
+for t in threads: t.join(60)
+print(json.dumps({"seen": seen, "errors": errors, "lanes": len(kv._lanes._all)}), flush=True)
+'''
+
+
+def test_each_thread_has_its_own_lane(cluster):
+    c = cluster(2, 1)
+    for (line,) in c.run_workers(THREADS):
+        assert not line["errors"], line
+        assert line["seen"] == {"t0": [150.0] * 8, "t1": [150.0] * 8}, line
+        assert line["lanes"] == 2, line
+    assert c.wait_daemons() == [0, 0]
+
+
+WAITING = r'''
+import json, sys, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("k", np.zeros(4, np.float32))
+if kv.rank == 1:
+    print(json.dumps({"ready": True}), flush=True)
+    time.sleep(60)                          # never pushes: W0's round cannot close
+    sys.exit(0)
+out = np.zeros(4, np.float32)
+start = time.time()
+print(json.dumps({"waiting": start}), flush=True)
+try:
+    kv.pushpull("k", np.ones(4, np.float32), out=out)
+    print(json.dumps({"error": None}), flush=True)
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc), "t": time.time() - start}), flush=True)
+'''
+
+
+def test_a_server_killed_while_a_lane_waits_fails_the_wait(cluster):
+    c = cluster(2, 1)
+    procs = c.spawn_workers(WAITING)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any("waiting" in x for x in c.output("W0")):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    c.proc("S0").kill()
+    killed = time.time()
+    c.wait(procs[:1], 30)
+    (line,) = [x for x in c.output("W0") if "error" in x]
+    assert line["error"] == "NodeFailure" and "S0" in line["message"], line
+    assert time.time() - killed < 2 + 5, line      # the heartbeat timeout (2 s) and some slack
+    procs[1].kill()
+
+
+def test_a_lane_wait_times_out_naming_the_server(cluster):
+    c = cluster(2, 1)
+    procs = c.spawn_workers(WAITING, env={"KVPS_TIMEOUT": "1.5"})
+    c.wait(procs[:1], 30)
+    (line,) = [x for x in c.output("W0") if "error" in x]
+    assert line["error"] == "KVTimeoutError" and "S0" in line["message"] and "1.5 s" in line["message"], line
+    assert 1.4 < line["t"] < 5, line
+    procs[1].kill()
