@@ -170,7 +170,6 @@ class Server(Node):
         self.window = Window()                  # request ids answered, per worker (resends, duplicates)
         self.shared = {}                        # worker name -> its Mapped shared-memory segments
         self.shared_entries = 0                 # entries whose payload or value went through them
-        self._arrived = {}                      # (routing id, request id) -> time.time() of arrival (telemetry)
         if self.telemetry is not None and self.telemetry.metrics is not None:
             self._export(self.telemetry.metrics)
         self.joining = []                       # requests from a worker whose join the scheduler has not told us of
@@ -300,7 +299,7 @@ class Server(Node):
                     return self._again(routing_id, again, (), self._worker(again.src), RECOMPUTE)
                 reply = self._for(again, reply)
         if self.telemetry is not None:
-            self._observe(routing_id, request, reply)
+            self._observe(request, reply)
         self.van.reply(routing_id, reply, payloads, on_tracker=on_tracker)
 
     @staticmethod
@@ -348,16 +347,19 @@ class Server(Node):
                        lambda: {(): sum(len(slot.pull_waiters) for slot in list(self.store.slots.values()))})
         metrics.derive("kvps_server_key_bytes_total", self.telemetry.top_keys)
 
-    def _observe(self, routing_id, request, reply):
-        start = self._arrived.pop((routing_id, request.id), None)
-        if start is not None:
-            self.telemetry.request_done(request, start)
+    def _observe(self, request, reply):
+        if request.arrived is not None:
+            self.telemetry.request_done(request, request.arrived)
         if self.telemetry.metrics is not None and reply.op != Op.ERROR:    # a refused key is no key of ours
+            back = reply.keys if reply.op == Op.VALUE else ()
+            if len(back) == len(request.keys):      # a reply's entries answer the request's, in order
+                for e, r in zip(request.keys, back):
+                    self.telemetry.key_bytes(e.key, e.nbytes + r.nbytes)
+                return
             for e in request.keys:
                 self.telemetry.key_bytes(e.key, e.nbytes)
-            if reply.op == Op.VALUE:
-                for e in reply.keys:
-                    self.telemetry.key_bytes(e.key, e.nbytes)
+            for e in back:
+                self.telemetry.key_bytes(e.key, e.nbytes)
 
     def on_client(self, routing_id, header, payloads):
         try:
@@ -392,9 +394,7 @@ class Server(Node):
             if state is not NEW:
                 return self._again(routing_id, header, payloads, worker, state, client)
             if self.telemetry is not None:
-                if len(self._arrived) >= MAX_EARLY:    # requests never answered (their worker died)
-                    self._arrived.clear()
-                self._arrived[(routing_id, header.id)] = time.time()
+                header.arrived = time.time()
             if self.chain is None:
                 return handler(self, routing_id, header, payloads, worker)
             self._replicated(handler, routing_id, header, payloads, worker)

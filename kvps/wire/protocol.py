@@ -467,8 +467,9 @@ quote = _REPR.repr      # for logs too: a bounded extract, control characters es
 
 
 class Header:
-    """A decoded message header; see the module docstring for the fields."""
-    __slots__ = ("op", "id", "src", "keys", "meta")
+    """A decoded message header; see the module docstring for the fields. `arrived` is local, never
+    sent: the time.time() at which a server took the request, when its telemetry times requests."""
+    __slots__ = ("op", "id", "src", "keys", "meta", "arrived")
 
     def __init__(self, op, id=0, src="?", keys=(), meta=None):
         self.op = op if type(op) is Op else Op(op)
@@ -476,6 +477,7 @@ class Header:
         self.src = src
         self.keys = list(keys)
         self.meta = {} if meta is None else meta
+        self.arrived = None
 
     def encode(self):
         """The header frame; raises ProtocolError for one no peer would decode (see MAX_HEADER_BYTES)."""
