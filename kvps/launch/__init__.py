@@ -10,7 +10,8 @@ the first non-zero worker exit code (0 when all succeed), or that of a daemon th
 workers ran, and stops every child it started, by pid, when one fails or on Ctrl-C.
 
 One module per launcher: job (the processes of a job, and the local placement), ssh (hosts from a
-hostfile; tether runs on the far side of each ssh connection), k8s (manifests), and kvps.ray.
+hostfile; tether runs on the far side of each ssh connection), k8s (manifests), and kvps.ray;
+restarts decides which dead servers of a replicated job get a replacement, and when.
 docs/launch.md describes them all.
 """
 from kvps.errors import ConfigError
@@ -35,9 +36,10 @@ def straggler_env(items, num_workers, seed=0):
             for rank, spec in parse_assignments(items, num_workers).items()}
 
 
-def launch_local(num_workers, num_servers, command, env=None, worker_env=None):
-    """Run a job on this machine; returns its exit code (130 after Ctrl-C)."""
-    return run(Job(num_workers, num_servers, command, env, worker_env=worker_env))
+def launch_local(num_workers, num_servers, command, env=None, worker_env=None, restart_servers=None):
+    """Run a job on this machine; returns its exit code (130 after Ctrl-C). restart_servers: the most
+    replacements of dead servers in a replicated job (default: one per server)."""
+    return run(Job(num_workers, num_servers, command, env, worker_env=worker_env, restart_servers=restart_servers))
 
 
 __all__ = ["Job", "Local", "run", "parse_env", "straggler_env", "launch_local"]

@@ -15,6 +15,12 @@ non-zero (or is killed by a signal) while workers still run, stops the job at on
 that names it ("S1 was killed by SIGKILL"), and its exit code becomes the job's (128+N for a
 signal). Nothing waits for the heartbeat timeout: the launcher sees the exit itself.
 
+A replicated job (KVPS_REPLICAS=R) goes on when a server dies, and the launcher starts a new server
+as that node (same command, variables and key) once the scheduler has declared the old one dead, so
+the job gets its R replicas back; at most `restart_servers` of them over the job
+(kvps/launch/restarts.py keeps the count). A replacement's output keeps its node's prefix ("[S1]");
+the launcher's lines call it by its child name ("S1#2", the second process to run as S1).
+
 Started from a shell, each child gets a session of its own, so Ctrl-C reaches only the launcher,
 which stops them. Started in a session of its own (as `kvps experiment` starts it, through
 kvps.supervisor), the launcher keeps its children in its process group instead, so that whoever
@@ -27,7 +33,10 @@ import threading
 import time
 
 from kvps.errors import ConfigError, KVTimeoutError
-from kvps.supervisor import DRAIN_TIMEOUT, READY_TIMEOUT, Supervisor, exit_code, leads_own_session
+from kvps.launch.restarts import Restarts, node_of
+from kvps.supervisor import DRAIN_TIMEOUT, READY_TIMEOUT, STOP_GRACE, Supervisor, exit_code, leads_own_session
+
+SERVER_ARGV = ["-m", "kvps.cli", "server"]      # after the placement's Python
 
 
 def signal_name(number):
@@ -86,7 +95,10 @@ class Job:
     """The processes of one job, each started and stopped by this object only."""
 
     def __init__(self, num_workers, num_servers, command, env=None, out=None, python=None, worker_env=None,
-                 placement=None, scheduler_host=None, scheduler_port=0):
+                 placement=None, scheduler_host=None, scheduler_port=0, restart_servers=None):
+        """restart_servers: the most servers started to replace dead ones in a replicated job
+        (default: the number of servers; 0: none). Raises ConfigError for a bad job size, no command,
+        or restart_servers that is negative or given for a job without replicas."""
         if num_workers < 1 or num_servers < 0:
             raise ConfigError(f"a job needs at least one worker and no negative number of servers "
                               f"(got -n {num_workers} -s {num_servers})")
@@ -100,11 +112,20 @@ class Job:
         self.out = out or sys.stdout
         self.placement = placement or Local()
         self.scheduler_host, self.scheduler_port = scheduler_host, scheduler_port
-        self.children = Supervisor(self.out, new_session=not leads_own_session())
+        self.children = Supervisor(_under_node_names(self.out), new_session=not leads_own_session())
         self.scheduler_address = None
-        self.secrets = {}                       # name -> its secret file, for a CURVE job
+        self.secrets = {}                       # node name -> its secret file, for a CURVE job
         self.replicas = int(self.env.get("KVPS_REPLICAS") or 0)
+        if restart_servers is not None and restart_servers < 0:
+            raise ConfigError(f"--restart-servers {restart_servers}: the number of replacements cannot be negative")
+        if restart_servers and not self.replicas:
+            raise ConfigError(f"--restart-servers {restart_servers} replaces the dead servers of a replicated "
+                              f"job: it needs --replicas R (KVPS_REPLICAS)")
+        self.restart_servers = num_servers if restart_servers is None else restart_servers
+        self.restarts = None                    # Restarts, from start() on, in a replicated job
         self.failed_over = set()                # servers that died while their replicas took over
+        self.replacements = []                  # the child names of the servers started as replacements
+        self.left_joining = set()               # replacements stopped at the end, still joining the job
 
     def scheduler_argv(self):
         argv = [sys.executable, "-m", "kvps.cli", "scheduler", "--port", str(self.scheduler_port),
@@ -124,6 +145,11 @@ class Job:
         placement puts them. Returns self. Raises KVTimeoutError (after stopping what it started)
         if the scheduler does not get ready; OSError if a program cannot be started."""
         self.secrets = make_keys(self.env, self.num_workers, self.num_servers, self.placement.remote)
+        if self.replicas:
+            from kvps.config import Config
+            cfg = Config.from_env(self.env)
+            # The scheduler checks every half interval for a server silent past the timeout.
+            self.restarts = Restarts(self.restart_servers, cfg.heartbeat_timeout + cfg.heartbeat_interval)
         scheduler_env = dict(self.env, **self.job_env(), KVPS_ROLE="scheduler")
         if self.secrets:
             scheduler_env["KVPS_SECRET_FILE"] = self.secrets["H"]
@@ -133,8 +159,7 @@ class Job:
             if self.placement.announce:
                 self._say(f"scheduler ready at {self.scheduler_address}")
             for rank in range(self.num_servers):
-                self._spawn(f"S{rank}", [self.python, "-m", "kvps.cli", "server"],
-                            {"KVPS_ROLE": "server", "KVPS_RANK": str(rank)})
+                self._spawn(f"S{rank}", [self.python, *SERVER_ARGV], {"KVPS_ROLE": "server", "KVPS_RANK": str(rank)})
             for rank in range(self.num_workers):
                 self._spawn(f"W{rank}", self.command,
                             dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)}, **self.worker_env.get(rank, {})))
@@ -144,47 +169,102 @@ class Job:
         return self
 
     def _spawn(self, name, argv, node_env):
+        """Start child `name` (a node's name, or a replacement's "S1#2") with the node's key."""
         env = dict(self.job_env(), **node_env)
         if self.secrets:
-            env.update(self.placement.secret_env(self.secrets[name]))
+            env.update(self.placement.secret_env(self.secrets[node_of(name)]))
         self.placement.spawn(self.children, name, argv, self.env, env)
 
     def wait(self, timeout=None):
         """Supervise until the workers finish; returns the job's exit code. A failed worker, or a
-        daemon that fails while workers run, stops the job at once. With a timeout (seconds), a job
-        still running then is stopped and KVTimeoutError raised."""
+        daemon that fails while workers run, stops the job at once; a server of a replicated job
+        is replaced instead (see the module docstring). With a timeout (seconds), a job still
+        running then is stopped and KVTimeoutError raised."""
         workers = [n for n in self.children.procs if n.startswith("W")]
         code = 0
         give_up = None if timeout is None else time.monotonic() + timeout
         while self.children.running(workers):
-            exited = self.children.wait_any(None if give_up is None else give_up - time.monotonic())
+            wake = min((t for t in (give_up, self.restarts and self.restarts.next_due()) if t), default=None)
+            exited = self.children.wait_any(None if wake is None else wake - time.monotonic())
             if exited is None:
-                running = ", ".join(self.children.running(workers))
-                self.stop()
-                raise KVTimeoutError(f"the job did not finish within {timeout:g} s (workers still running: "
-                                     f"{running or 'none'}); stopped it")
+                if give_up is not None and time.monotonic() >= give_up:
+                    running = ", ".join(self.children.running(workers))
+                    self.stop()
+                    raise KVTimeoutError(f"the job did not finish within {timeout:g} s (workers still running: "
+                                         f"{running or 'none'}); stopped it")
+                self._replace_due()
+                continue
             name, returncode = exited
             verdict = judge(name, returncode, bool(self.children.running(workers)), self.placement.describe,
                             replicated=self.replicas > 0)
             if returncode and verdict is None and name.startswith("S") and self.replicas:
                 self._say(f"{self.placement.describe(name, returncode)}; its key ranges go on at their "
-                          f"replicas (KVPS_REPLICAS={self.replicas})")
+                          f"replicas (KVPS_REPLICAS={self.replicas})"
+                          f"{self._replace_later(name, bool(self.children.running(workers)))}")
                 self.failed_over.add(name)
             if verdict:
                 self._say(verdict)
                 code = exit_code(returncode)
                 break
+        if self.restarts:
+            self.restarts.cancel()               # the workers are done, or the job is stopping
         if code == 0:
-            self.children.wait(DRAIN_TIMEOUT)
+            self.children.wait(DRAIN_TIMEOUT, [n for n in self.children.procs if n not in self.replacements])
+            self._end_replacements()
         self.stop()
         if code == 0:
             daemons = [(n, c) for n, c in self.children.poll().items()
-                       if not n.startswith("W") and c and n not in self.failed_over]
+                       if not n.startswith("W") and c and n not in self.failed_over | self.left_joining]
             if daemons:
                 self._say("daemons exited with errors: " +
                           ", ".join(self.placement.describe(n, c) for n, c in daemons))
                 code = exit_code(daemons[0][1]) or 1
         return code
+
+    def _replace_later(self, name, workers_running):
+        """Plan the replacement of the dead server child `name`; the words that say what was decided."""
+        node = node_of(name)
+        if not workers_running:
+            return ""                            # the job is ending: nothing to replace it for
+        if not self.children.running(["H"]):
+            return "; not replacing it: the scheduler has exited"
+        decision = self.restarts.died(node, time.monotonic())
+        if decision.start_at is None:
+            return f"; not replacing it: {decision.why}"
+        return (f"; starting a replacement {node} in {self.restarts.delay:.1f} s, once the scheduler has "
+                f"declared it dead (restart {decision.number} of {self.restarts.budget}, --restart-servers)")
+
+    def _replace_due(self):
+        """Start the replacements that are due, unless the scheduler is gone (the job is ending)."""
+        for node, decision in self.restarts.due(time.monotonic()):
+            if not self.children.running(["H"]):
+                self._say(f"not replacing {node}: the scheduler has exited")
+                continue
+            child = self.restarts.child(node)
+            self._say(f"starting a replacement {node} ({child}, restart {decision.number} of "
+                      f"{self.restarts.budget}): it takes the rank of {node} and gets its state from the replicas")
+            try:
+                self._spawn(child, [self.python, *SERVER_ARGV], {"KVPS_ROLE": "server", "KVPS_RANK": node[1:]})
+            except OSError as exc:
+                self._say(f"could not start {child}: {exc}; the job goes on at the replicas")
+                continue
+            self.replacements.append(child)
+
+    def _end_replacements(self):
+        """The workers are done and the other daemons have had their time to end. A replacement that
+        joined was told to shut down like the others; one started near the end may have been still
+        joining when the scheduler left, and then waits out its heartbeat timeout and exits non-zero.
+        Either is said, not counted against the job: the workers had finished. One still running
+        after a grace is stopped."""
+        ended = [c for c in self.replacements if c not in self.failed_over]
+        self.children.wait(STOP_GRACE, ended)
+        for child, returncode in self.children.poll().items():
+            if child not in ended or returncode == 0:
+                continue
+            what = f"{child} was still running" if returncode is None else self.placement.describe(child, returncode)
+            self._say(f"{what} after the workers had finished: a replacement of {node_of(child)} still joining "
+                      f"as the job ended{'; stopping it' if returncode is None else ''}; not counted as a failure")
+            self.left_joining.add(child)
 
     def stop(self):
         """Stop every child still running (SIGTERM, then SIGKILL), by pid."""
@@ -192,6 +272,17 @@ class Job:
 
     def _say(self, text):
         self.children.emit("launch", text)
+
+
+def _under_node_names(out):
+    """The Supervisor's output sink for a job: a replacement's lines come out under its node's prefix
+    ("[S1]" for child S1#2), to a text stream or a callable(prefix, line) as `out` is."""
+    if hasattr(out, "write"):
+        def write(prefix, text):
+            out.write(f"[{node_of(prefix)}] {text}\n")
+            out.flush()
+        return write
+    return lambda prefix, text: out(node_of(prefix), text)
 
 
 def make_keys(environ, num_workers, num_servers, remote):

@@ -24,6 +24,7 @@ from kvps.config import Config
 from kvps.errors import ConfigError, KVPSError
 from kvps.launch import tether
 from kvps.launch.job import Job, forwarded_env, run, signal_name
+from kvps.launch.restarts import node_of
 
 SYNC_TIMEOUT = 300.0       # seconds to copy the working directory to one host
 SIOCGIFADDR = 0x8915       # <linux/sockios.h>: an interface's IPv4 address
@@ -101,7 +102,9 @@ class Remote:
         self.where = {}                      # name -> host
 
     def host_of(self, name):
-        """Servers take the hosts in turn; workers carry on from where the servers stopped."""
+        """Servers take the hosts in turn; workers carry on from where the servers stopped. A
+        replacement ("S1#2") runs where its node did."""
+        name = node_of(name)
         rank = int(name[1:])
         return self.hosts[(rank if name[0] == "S" else self.num_servers + rank) % len(self.hosts)]
 
@@ -161,7 +164,8 @@ class Remote:
 
 
 def launch_ssh(num_workers, num_servers, command, hostfile, port, env=None, dry_run=False, out=None,
-               worker_env=None, python=None, sync_dst_dir=None, host=None, interface=None, ssh_options=()):
+               worker_env=None, python=None, sync_dst_dir=None, host=None, interface=None, ssh_options=(),
+               restart_servers=None):
     """Run a job over ssh (see the module docstring); returns its exit code. dry_run: print the
     commands instead. Raises ConfigError for a bad hostfile or when no address reaches the hosts."""
     out = out or sys.stdout
@@ -171,7 +175,7 @@ def launch_ssh(num_workers, num_servers, command, hostfile, port, env=None, dry_
     remote = Remote(hosts, num_servers, python or sys.executable, cwd, forwarded_env(os.environ, env or {}),
                     ssh_options)
     job = Job(num_workers, num_servers, command, env, out, python=remote.python, worker_env=worker_env,
-              placement=remote, scheduler_host=bind, scheduler_port=port)
+              placement=remote, scheduler_host=bind, scheduler_port=port, restart_servers=restart_servers)
     if dry_run:
         job.scheduler_address = f"{bind}:{port}"
         out.write(f"[H] {shlex.join(job.scheduler_argv())}\n")

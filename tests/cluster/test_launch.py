@@ -5,6 +5,8 @@ import shlex
 import subprocess
 import time
 
+import pytest
+
 from harness import FAST_ENV, PY, read_ready
 
 WORKER = r'''
@@ -360,3 +362,90 @@ def test_launch_with_replicas_survives_a_killed_server(tmp_path):
     assert "[launch] S1 was killed by SIGKILL" in text and "go on at their replicas (KVPS_REPLICAS=1)" in text, text
     results = [json.loads(line.split("] ", 1)[1]) for line in text.splitlines() if line.startswith("[W") and "{" in line]
     assert [r["x"] for r in results] == [[2.0 * 79] * 3] * 2, text    # a round's value: the sum of its pushes
+
+
+# SGD with learning rate 1 on the servers: every key holds minus the sum of every push ever applied,
+# so a push lost (or applied twice) across the two failovers and the handover shows in the result.
+# Gradients are small integers: every sum is exact. "stop" ends both workers after the same round.
+REPLACED = r'''
+import json, os, pathlib, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.set_optimizer(kvps.optimizer.SGD(learning_rate=1.0, rescale_grad=1.0))
+shapes = {"w": (5,), "big": (600, 5), "stop": (1,)}       # big: over all 3 servers (KVPS_BIGARRAY_BOUND)
+for k, s in shapes.items():
+    kv.init(k, np.zeros(s, np.float32))
+out = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+go, deadline, step = pathlib.Path(os.environ["GO"]), time.monotonic() + 90, 0
+while out["stop"][0] == 0:
+    for k, s in shapes.items():
+        last = kv.rank == 0 and (go.exists() or time.monotonic() > deadline)
+        g = float(last) if k == "stop" else step % 7 + kv.rank + 1
+        kv.push(k, np.full(s, g, np.float32))
+    for k in shapes:
+        kv.pull(k, out=out[k])
+    print(json.dumps({"step": step}), flush=True)
+    step += 1
+    time.sleep(0.05)
+print(json.dumps({"rank": kv.rank, "steps": step, "w": sorted(set(out["w"].tolist())),
+                  "big": sorted(set(out["big"].reshape(-1).tolist()))}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_launch_replaces_a_killed_server_and_the_job_survives_a_second_kill(tmp_path, curve):
+    """-s 3 --replicas 1: kill -9 of S1; the launcher starts a new S1 once the scheduler has declared
+    the old one dead, and it takes over S1's ranges. Then kill -9 of S2: S1's ranges were held by S1
+    and S2 only, so without the replacement this death would lose them and end the job. The job
+    ends with 0 and every push of every step applied once. --restart-servers 1: S2 is not replaced.
+    With --curve the replacement is admitted by S1's key, which the launcher gives it."""
+    import signal as sig
+    script, go = tmp_path / "replaced.py", tmp_path / "go"
+    script.write_text(REPLACED)
+    env = dict(os.environ, **FAST_ENV, KVPS_BIGARRAY_BOUND="1000", GO=str(go))
+    proc = subprocess.Popen([PY, "-m", "kvps.cli", "launch", "-n", "2", "-s", "3", "--replicas", "1",
+                             "--restart-servers", "1", *(["--curve"] if curve else []), "--", PY, str(script)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines = []
+
+    def read_until(done, what):           # bounded: the workers stop by themselves after 90 s
+        for line in proc.stdout:
+            lines.append(line)
+            if done(line):
+                return
+        raise AssertionError(f"the job's output ended before {what}:\n{''.join(lines)}")
+
+    def steps():
+        return sum(line.startswith('[W0] {"step"') for line in lines)
+
+    try:
+        read_until(lambda line: line.startswith('[W0] {"step": 3}'), "W0's step 3")
+        first = _node_pid(proc.pid, "server", 1)
+        os.kill(first, sig.SIGKILL)
+        read_until(lambda line: line.startswith("[launch] starting a replacement S1"), "the replacement")
+        # the new S1 joins the tail of the chains of S1 (S2, S1) and of S0 (S0, S1)
+        read_until(lambda line: sum(n.startswith("[S1]") and "took over the ranges" in n for n in lines) == 2,
+                   "the new S1 to take over the ranges of S1 and S0")
+        second = _node_pid(proc.pid, "server", 2)
+        os.kill(second, sig.SIGKILL)
+        read_until(lambda line: line.startswith("[launch] S2 was killed by SIGKILL"), "S2's death")
+        at = steps()
+        read_until(lambda line: steps() >= at + 5, "five steps after the second kill")
+        go.write_text("")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text
+    assert ("[launch] S1 was killed by SIGKILL; its key ranges go on at their replicas (KVPS_REPLICAS=1); "
+            "starting a replacement S1 in 2.2 s") in text, text
+    assert "[launch] S2 was killed by SIGKILL; its key ranges go on at their replicas (KVPS_REPLICAS=1); " \
+           "not replacing it: no restarts left (--restart-servers 1)" in text, text
+    assert "no live replica left" not in text, text
+    results = [json.loads(line.split("] ", 1)[1]) for line in text.splitlines()
+               if line.startswith("[W") and '"rank"' in line]
+    assert len(results) == 2 and results[0]["steps"] == results[1]["steps"], text
+    steps_run = results[0]["steps"]
+    applied = -float(sum(2 * (s % 7) + 3 for s in range(steps_run)))     # both workers' pushes, every step
+    assert [(r["w"], r["big"]) for r in results] == [([applied], [applied])] * 2, (steps_run, text)

@@ -57,7 +57,28 @@ def test_colocated_ps_with_a_server_per_host_matches_the_ring(W):
     assert t.ps == pytest.approx(t.ring)
 
 
-@pytest.mark.parametrize("args", [(M, B, 0, 1), (M, B, 1, 0), (M, 0, 2, 1), (-1, B, 2, 1), (M, B, 2, 3, True)])
+@pytest.mark.parametrize("W,S,R", [(2, 2, 1), (4, 4, 1), (4, 2, 1), (4, 4, 3), (2, 4, 1), (8, 3, 2)])
+def test_replicated_dedicated_ps_bound(W, S, R):
+    # each server host also forwards R*W*M/S of copies along its chains and receives as much
+    t = theory(M, B, W, S, replicas=R)
+    assert t.ps == pytest.approx(max(M, (1 + R) * W * M / S) * 8 / B)
+    assert t.ring == theory(M, B, W, S).ring                     # the ring has no chains
+    if W * (1 + R) >= S:        # a server's link is the busiest: its pushes and pulls, W*M/S, plus the copies
+        assert t.ps - W * M / S * 8 / B == pytest.approx(R * W * M / S * 8 / B)
+
+
+@pytest.mark.parametrize("W,S,R,expected", [
+    (2, 2, 1, 2.0),         # (S-1)/S + (W-1)/S = 1, + the copies R*W/S = 1
+    (4, 4, 1, 2.5),         # 1.5 (the ring's) + 1
+    (4, 2, 1, 4.0),         # 2 + 2
+    (3, 2, 1, 3.0),         # (2+3-2)/2 + 3/2
+])
+def test_replicated_colocated_ps_bound(W, S, R, expected):
+    assert theory(M, B, W, S, colocated=True, replicas=R).ps == pytest.approx(expected * T)
+
+
+@pytest.mark.parametrize("args", [(M, B, 0, 1), (M, B, 1, 0), (M, 0, 2, 1), (-1, B, 2, 1), (M, B, 2, 3, True),
+                                  (M, B, 2, 1, False, 1), (M, B, 4, 2, False, 2), (M, B, 2, 2, False, -1)])
 def test_theory_refuses_impossible_jobs(args):
     with pytest.raises(ConfigError):
         theory(*args)
@@ -335,6 +356,21 @@ def test_setups_put_each_baseline_before_its_kvps_system():
     assert emsync.setups(["ring"], [(2, 1, False), (2, 2, False)]) == [S("ring", 2, 0, False)]
 
 
+def test_replicated_ps_runs_right_after_the_ps_without_replicas():
+    S = emsync.Setup
+    combos = [(2, 1, False), (2, 2, False), (2, 2, True)]
+    todo = emsync.setups(["ps", "mxnet", "ring"], combos, replicas=1)
+    assert todo == [S("mxnet", 2, 1, False), S("ps", 2, 1, False),                 # one server: no chain
+                    S("mxnet", 2, 2, False), S("ps", 2, 2, False), S("ps", 2, 2, False, 1),
+                    S("mxnet", 2, 2, True), S("ps", 2, 2, True), S("ps", 2, 2, True, 1), S("ring", 2, 0, False)]
+    assert emsync.check_replicas(1, ["ps"], combos) == ["(left out: kvps PS R=1 with 1 server: a chain needs 2)"]
+    assert emsync.check_replicas(0, ["ring"], combos) == []
+    for replicas, systems, match in ((1, ["ring", "gloo"], "must include ps"), (-1, ["ps"], "must not be negative"),
+                                     (2, ["ps"], "needs more than 2 servers: give -s 3")):
+        with pytest.raises(ConfigError, match=match):
+            emsync.check_replicas(replicas, systems, combos)
+
+
 def test_make_plan():
     plan, what, nbytes = emsync.make_plan("resnet50", 3)
     assert (len(plan["resnet"]["shapes"]), nbytes, plan["resnet"]["steps"]) == (161, M, 3)
@@ -369,6 +405,23 @@ def test_table_rows_bounds_and_baselines():
     }
 
 
+def test_replicated_rows_are_divided_by_the_same_mode_without_replicas():
+    S = emsync.Setup
+
+    def rows(**ms):
+        return {"rows": {mode: {"ms": t} for mode, t in ms.items()}, "error": None}
+
+    results = {S("ps", 2, 2, False): rows(**{"push+pull": 1000, "pushpull": 800}),
+               S("ps", 2, 2, False, 1): rows(**{"push+pull": 2500, "pushpull": 2400})}
+    body = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in emsync.table(results, M, B)[2:]}
+    assert body == {                                  # bounds: W=2 S=2 818 ms; with R=1 each server's link 2x
+        "kvps PS push+pull": ["2", "2", "dedicated", "1000", "818", "1.22", "-"],
+        "kvps PS pushpull": ["2", "2", "dedicated", "800", "818", "0.98", "-"],
+        "kvps PS R=1 push+pull": ["2", "2", "dedicated", "2500", "1636", "1.53", "2.50"],
+        "kvps PS R=1 pushpull": ["2", "2", "dedicated", "2400", "1636", "1.47", "3.00"],
+    }
+
+
 def test_baseline_jobs_are_placed_as_kvps_jobs():
     gloo = EmulatedGlooJob(None, 3, "plan.json")
     assert gloo.places == placement(3, 0) == {"H": "h0", "W0": "h1", "W1": "h2", "W2": "h3"}
@@ -384,8 +437,11 @@ def test_cli_sync_usage_errors_come_before_namespaces(monkeypatch, capsys):
     assert main(["sync", "--systems", "mxnet"]) == 2
     assert main(["sync", "--mxnet", "/no/such/python"]) == 2
     assert main(["sync", "--workload", "3B"]) == 2
+    assert main(["sync", "--systems", "ring", "--replicas", "1"]) == 2
+    assert main(["sync", "-s", "1", "--replicas", "1"]) == 2
     err = capsys.readouterr().err
     assert "unknown system 'horovod'" in err and "needs --mxnet" in err and "/no/such/python does not exist" in err
+    assert "--systems must include ps" in err and "needs more than 1 servers: give -s 2" in err
     assert main(["sync", "--systems", "ps"]) == 77
 
 
@@ -411,6 +467,22 @@ def test_sync_compares_gloo_ring_and_ps(no_leaks, capfd):
     assert table["gloo all-reduce"][4] == table["kvps ring pushpull"][4] == "168"    # 4 MiB at 200 Mbit/s, W=2
     assert float(table["kvps ring pushpull"][6]) > 0 and table["kvps PS pushpull"][6] == "-"   # no MXNet here
     assert time.monotonic() - start < 60
+
+
+def test_sync_runs_the_ps_with_replicas_beside_the_ps_without(no_leaks, capfd):
+    """--replicas 1: the PS again with KVPS_REPLICAS=1, its bound doubled (each server's link also
+    carries the copies of every push along its chain), divided by the rows without replicas."""
+    code = main(["sync", "-n", "2", "-s", "2", "--systems", "ps", "--replicas", "1", "--workload", "4MB",
+                 "--steps", "1", "--rate", "200mbit", "--timeout", "60"])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    table = _sync_table(out)
+    assert set(table) == {"kvps PS push+pull", "kvps PS pushpull", "kvps PS R=1 push+pull", "kvps PS R=1 pushpull"}, out
+    assert table["kvps PS pushpull"][4] == "168" and table["kvps PS R=1 pushpull"][4] == "336", out
+    for mode in ("push+pull", "pushpull"):
+        row = table[f"kvps PS R=1 {mode}"]
+        assert float(row[5]) > 0.9, out                # nothing beats the bound, copies included
+        assert float(row[6]) == pytest.approx(float(row[3]) / float(table[f"kvps PS {mode}"][3]), abs=0.01), out
 
 
 @pytest.mark.skipif(not os.path.exists(MXNET_PY), reason=f"no MXNet at {MXNET_PY}")

@@ -3,8 +3,8 @@
     kvps emulate -n 4 -s 1 [--colocated] [--rate 1gbit] [--delay-ms 0] -- python train.py
     kvps emulate check [--rate 1gbit] [--mb 125]
     kvps emulate sync -n 4 -s 1,4 --placement dedicated,colocated [--workload resnet50] [--steps 3]
-                      [--systems ps,ring,gloo,mxnet] [--mxnet ~/mxvenv/bin/python]
-    kvps emulate theory -n 2,4,8 -s 1,4 --placement dedicated,colocated [--mb 102.2] [--rate 1gbit]
+                      [--systems ps,ring,gloo,mxnet] [--mxnet ~/mxvenv/bin/python] [--replicas R]
+    kvps emulate theory -n 2,4,8 -s 1,4 --placement dedicated,colocated [--mb 102.2] [--rate 1gbit] [--replicas R]
 
 Exit codes: 0 success; a worker's own non-zero code; 1 a failed job, check or benchmark;
 2 a usage error; 77 skipped: network namespaces are not permitted here (the reason is printed);
@@ -114,6 +114,9 @@ def sync_parser(prog="kvps emulate sync"):
     p.add_argument("--placement", type=_placements, default=["dedicated"],
                    help="dedicated, colocated or both, comma-separated (default dedicated)")
     _network_options(p)
+    p.add_argument("--replicas", type=int, default=0, metavar="R",
+                   help="kvps PS rows: also run (sync) or bound (theory) each PS with chain replication, "
+                        "KVPS_REPLICAS=R, beside R=0; the bound counts the chains' copies (default 0)")
     if prog.endswith("theory"):
         p.add_argument("--mb", type=float, default=RESNET50_BYTES / 1e6,
                        help="megabytes of gradients per step (default ResNet-50's 102.2)")
@@ -241,11 +244,20 @@ def _shapes(args):
 def cmd_theory(args):
     rate = parse_rate(args.rate)
     M = args.mb * 1e6
+    R = args.replicas
+    combos = _shapes(args)
+    for note in sync.check_replicas(R, ["ps"], combos):
+        print(note, file=sys.stderr)
     print(f"Bandwidth bound per step, M = {args.mb:g} MB, B = {show_rate(rate)} per host link, full duplex\n")
-    print("| W | S | servers | PS bound ms | ring bound ms |\n|--:|--:|---|--:|--:|")
-    for W, S, colocated in _shapes(args):
+    extra = (f" PS R={R} bound ms |", "--:|") if R else ("", "")
+    print(f"| W | S | servers | PS bound ms |{extra[0]} ring bound ms |\n|--:|--:|---|--:|{extra[1]}--:|")
+    for W, S, colocated in combos:
         t = theory(M, rate, W, S, colocated)
-        print(f"| {W} | {S} | {'co-located' if colocated else 'dedicated'} | {t.ps * 1e3:.0f} | {t.ring * 1e3:.0f} |")
+        replicated = ""
+        if R:
+            replicated = f" {theory(M, rate, W, S, colocated, R).ps * 1e3:.0f} |" if S > R else " - |"
+        print(f"| {W} | {S} | {'co-located' if colocated else 'dedicated'} | {t.ps * 1e3:.0f} |{replicated} "
+              f"{t.ring * 1e3:.0f} |")
     return OK
 
 

@@ -3,11 +3,13 @@ gloo all-reduce and MXNet 1.9.1 dist_sync, on the same emulated hosts, each besi
 
     kvps emulate sync -n 4 -s 1,4 --placement dedicated --workload resnet50 --steps 3 --mxnet ~/mxvenv/bin/python
     kvps emulate sync -n 2 --systems ring,gloo --workload 64MB
+    kvps emulate sync -n 2 -s 2 --systems ps --replicas 1        # chain replication's cost beside R=0
 
 Systems (--systems, default ps,ring,gloo and mxnet when --mxnet PYTHON is given):
 
     ps      kvps dist_sync, both ways a step can go: push+pull (every push, then every pull, as MXNet
-            does) and pushpull (one call); every W, S and placement asked for
+            does) and pushpull (one call); every W, S and placement asked for. With --replicas R,
+            each also with KVPS_REPLICAS=R (chain replication) right after it, divided by it
     mxnet   MXNet dist_sync push+pull, the same W, S and placement (baselines.py)
     ring    kvps's 'allreduce' kvstore (no servers), both ways; every W
     gloo    torch.distributed gloo all-reduce in DDP-style 25 MB buckets; every W
@@ -18,8 +20,8 @@ block (on failure and Ctrl-C too), under --timeout. Each kvps setup runs right a
 slow spell of a shared machine tends to hit both sides of a ratio. A job that fails is reported
 (its output on stderr), its row reads "failed", and the others still run. The table comes last:
 one row per system and mode with the median step, the bound (theory.py: the PS's for ps and
-mxnet, the ring's for ring and gloo), their ratio and the ratio to the baseline measured in the
-same run.
+mxnet, with the chains' copies for R > 0; the ring's for ring and gloo), their ratio and the ratio
+to the baseline measured in the same run (for a replicated PS row: the same mode without replicas).
 """
 import collections
 import json
@@ -46,8 +48,9 @@ BASELINE = {"ps": "mxnet", "ring": "gloo"}         # what each kvps system's row
 KVTYPE = {"ps": "dist_sync", "mxnet": "dist_sync", "ring": "allreduce", "gloo": "allreduce"}
 MXNET_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "mxnet_worker.py")
 
-Setup = collections.namedtuple("Setup", "system workers servers colocated")
-Setup.__doc__ = "One job: a system on W workers with S servers (0 for ring and gloo), dedicated or co-located."
+Setup = collections.namedtuple("Setup", "system workers servers colocated replicas", defaults=(0,))
+Setup.__doc__ = ("One job: a system on W workers with S servers (0 for ring and gloo), dedicated or co-located; "
+                 "replicas: KVPS_REPLICAS of a kvps PS job (0: none).")
 
 
 def parse_systems(text):
@@ -93,15 +96,35 @@ def shapes(workers, servers, placements):
     return out, notes
 
 
-def setups(systems, combos):
-    """Every job, in run order: per W, each (S, placement) with MXNet before kvps's PS, then gloo
-    before kvps's ring (each baseline next to what is divided by it)."""
+def setups(systems, combos, replicas=0):
+    """Every job, in run order: per W, each (S, placement) with MXNet before kvps's PS, and kvps's
+    PS with `replicas` right after the PS without (where S > replicas), then gloo before kvps's ring
+    (each baseline next to what is divided by it)."""
     out = []
     for W in sorted({W for W, _, _ in combos}):
         for _, S, colocated in (c for c in combos if c[0] == W):
             out += [Setup(s, W, S, colocated) for s in ("mxnet", "ps") if s in systems]
+            if replicas and "ps" in systems and S > replicas:
+                out.append(Setup("ps", W, S, colocated, replicas))
         out += [Setup(s, W, 0, False) for s in ("gloo", "ring") if s in systems]
     return out
+
+
+def check_replicas(replicas, systems, combos):
+    """Notes on the (W, S, placement) combinations whose PS cannot have `replicas` (S must exceed R).
+    Raises ConfigError when R is negative, when there are no kvps PS rows to replicate, or when no
+    combination has servers enough."""
+    if replicas < 0:
+        raise ConfigError(f"--replicas {replicas} must not be negative")
+    if not replicas:
+        return []
+    if "ps" not in systems:
+        raise ConfigError(f"--replicas {replicas} replicates kvps's PS: --systems must include ps")
+    short = sorted({S for _, S, _ in combos if S <= replicas})
+    if len(short) == len({S for _, S, _ in combos}):
+        raise ConfigError(f"--replicas {replicas} needs more than {replicas} servers: give -s {replicas + 1} or more")
+    return [f"(left out: kvps PS R={replicas} with {S} server{'s' if S != 1 else ''}: a chain needs "
+            f"{replicas + 1})" for S in short]
 
 
 def make_plan(workload, steps):
@@ -134,15 +157,23 @@ def _placement(setup):
 
 
 def bound(setup, M, rate):
-    """Seconds per step at the bandwidth bound for this setup (theory.py)."""
-    t = theory(M, rate, setup.workers, max(setup.servers, 1), setup.colocated)
+    """Seconds per step at the bandwidth bound for this setup (theory.py; with its replicas' copies)."""
+    t = theory(M, rate, setup.workers, max(setup.servers, 1), setup.colocated, setup.replicas)
     return t.ps if setup.servers else t.ring
 
 
 def baseline_of(setup):
-    """The Setup a kvps setup's rows are divided by, or None for a baseline."""
+    """The Setup a kvps setup's rows are divided by, or None for a baseline: a replicated PS's is
+    the same PS without replicas."""
+    if setup.replicas:
+        return setup._replace(replicas=0)
     other = BASELINE.get(setup.system)
     return other and setup._replace(system=other)
+
+
+def label(setup):
+    """The setup's name in the table: "kvps PS", "kvps PS R=1", "gloo all-reduce"."""
+    return LABELS[setup.system] + (f" R={setup.replicas}" if setup.replicas else "")
 
 
 def table(results, M, rate):
@@ -158,14 +189,15 @@ def table(results, M, rate):
         S, servers = _placement(setup)
         b = bound(setup, M, rate) * 1e3
         base = baseline_of(setup)
-        base_ms = ms(base, MODES[base.system][0]) if base else None
         for mode in MODES[setup.system]:
-            label = LABELS[setup.system] + ("" if setup.system == "gloo" else f" {mode}")
+            # the baseline's same mode where it has it (a replicated PS's), else its one mode
+            base_ms = ms(base, mode if mode in MODES[base.system] else MODES[base.system][0]) if base else None
+            name = label(setup) + ("" if setup.system == "gloo" else f" {mode}")
             t = ms(setup, mode)
             measured = f"{t:.0f}" if t is not None else "failed"
             ratio = f"{t / b:.2f}" if t is not None and b else "-"
             vs = f"{t / base_ms:.2f}" if t is not None and base_ms else "-"
-            lines.append(f"| {label} | {setup.workers} | {S} | {servers} | {measured} | {b:.0f} | {ratio} | {vs} |")
+            lines.append(f"| {name} | {setup.workers} | {S} | {servers} | {measured} | {b:.0f} | {ratio} | {vs} |")
     return lines
 
 
@@ -203,8 +235,11 @@ def _job(setup, net, args, plan_path, out):
     W, S, colocated = setup.workers, setup.servers, setup.colocated
     call_timeout = max(30.0, args.timeout / 2)      # a call that hangs fails inside the job, before its deadline
     if setup.system in ("ps", "ring"):
+        env = {"KVPS_TIMEOUT": f"{call_timeout:g}"}
+        if setup.replicas:
+            env["KVPS_REPLICAS"] = str(setup.replicas)
         return EmulatedJob(net, W, S, [sys.executable, "-m", "kvps.tools.bench.kvps_worker", plan_path], colocated,
-                           {"KVPS_TIMEOUT": f"{call_timeout:g}"}, out)
+                           env, out)
     if setup.system == "gloo":
         return EmulatedGlooJob(net, W, plan_path, out=out, collective_timeout=call_timeout)
     return EmulatedMXNetJob(net, args.mxnet, W, S, [MXNET_WORKER, plan_path], colocated, out=out)
@@ -232,7 +267,7 @@ def run_setup(setup, args, plan_path):
 
 def _name(setup):
     S, servers = _placement(setup)
-    return f"{LABELS[setup.system]} W={setup.workers}" + (f" S={S} {servers}" if setup.servers else "")
+    return f"{label(setup)} W={setup.workers}" + (f" S={S} {servers}" if setup.servers else "")
 
 
 class Benchmark:
@@ -240,8 +275,8 @@ class Benchmark:
 
     def __init__(self, args, combos):
         """args: the parsed command line (workload, steps, systems, mxnet, rate, delay_ms, mtu, timeout,
-        verbose); combos: shapes()'s list. Raises ConfigError for a bad workload or choice of systems, or an
-        MXNet Python that cannot import mxnet, before anything runs."""
+        verbose, replicas); combos: shapes()'s list. Raises ConfigError for a bad workload, choice of
+        systems or replicas, or an MXNet Python that cannot import mxnet, before anything runs."""
         self.args = args
         self.plan, self.what, self.M = make_plan(args.workload, args.steps)
         self.compression = getattr(args, "compression", None)       # the kvps PS jobs' (kvps_worker)
@@ -249,12 +284,14 @@ class Benchmark:
             self.what += f", kvps PS compression {json.dumps(self.compression)}"
         gloo_why = _gloo_why() if args.systems is None or "gloo" in args.systems else None
         self.systems, self.notes = choose_systems(args.systems, args.mxnet, gloo_why)
+        self.replicas = getattr(args, "replicas", 0)
+        self.notes += check_replicas(self.replicas, self.systems, combos)
         if "mxnet" in self.systems:
             from kvps.tools.bench.mxnet_job import check_python
             problem = check_python(args.mxnet)
             if problem:
                 raise ConfigError(f"--mxnet {args.mxnet} cannot import mxnet: {problem.strip()[-300:]}")
-        self.todo = setups(self.systems, combos)
+        self.todo = setups(self.systems, combos, self.replicas)
 
     def run(self, rate):
         """Run every setup and print the table; returns the exit status: 0, 1 when a job failed, 124
@@ -264,7 +301,7 @@ class Benchmark:
             print(note, file=sys.stderr)
         load, others = os.getloadavg()[0], OtherLoad()
         print(f"kvps emulate sync: {self.what}, M = {self.M / 1e6:.1f} MB per step; "
-              f"{', '.join(LABELS[s] for s in self.systems)}; each host link {show_rate(rate)} both ways"
+              f"{', '.join(self._shown(s) for s in self.systems)}; each host link {show_rate(rate)} both ways"
               f"{f', {args.delay_ms:g} ms one way' if args.delay_ms else ''}; {os.cpu_count()} CPUs shared by every "
               f"process; median of {args.steps} timed steps. Load average {load:.2f} at the start.", flush=True)
         results, timed_out = {}, False
@@ -292,15 +329,22 @@ class Benchmark:
                           f"in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
                     progress.advance(f"{_name(setup)}: ok")
         share = others.share()
+        replicated = ("; kvps PS R=N rows: kvps PS without replicas, same W, S, placement and mode"
+                      if self.replicas else "")
         print("\n" + "\n".join(table(results, self.M, rate)))
         print(f"\nmeasured: median step; bound: the busiest link direction at full rate (docs/emulate.md); "
               f"/ baseline: measured / the baseline's, measured in the same run (kvps PS rows: MXNet dist_sync at the "
-              f"same W, S and placement; kvps ring rows: gloo at the same W), below 1 is faster. Load average "
-              f"{load:.2f} at the start; other processes used "
+              f"same W, S and placement; kvps ring rows: gloo at the same W{replicated}), below 1 is faster. "
+              f"Load average {load:.2f} at the start; other processes used "
               f"{'an unknown share' if share is None else f'{share:.0%}'} of the CPUs while it ran.", flush=True)
         if any(r["error"] for r in results.values()):
             return 124 if timed_out else 1
         return 0
+
+
+    def _shown(self, system):
+        replicated = f" (and with KVPS_REPLICAS={self.replicas})" if system == "ps" and self.replicas else ""
+        return LABELS[system] + replicated
 
 
 def _gloo_why():

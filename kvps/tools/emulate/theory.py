@@ -3,6 +3,7 @@ links of B bit/s each, full duplex, through a switch that is never the bottlenec
 
     theory(102_228_128, 1e9, W=4, S=1)                  # Prediction(ring=1.227, ps=3.271)
     theory(102_228_128, 1e9, W=4, S=4, colocated=True)  # ps == ring: BytePS's observation
+    theory(102_228_128, 1e9, W=2, S=2, replicas=1)      # Prediction(ring=0.818, ps=1.636): chains' copies
 
 Every host link carries data both ways at once, so a step takes as long as the busiest direction
 of the busiest link. With T = 8*M/B (one model's worth through one link):
@@ -16,9 +17,22 @@ of the busiest link. With T = 8*M/B (one model's worth through one link):
                        the same amounts the other way. A worker alone on its host sends and
                        receives M                               -> max((S+W-2)/S, [S<W]) * T
 
-With S = W co-located servers the PS bound is 2(W-1)/W * T, the ring's. docs/emulate.md has the
-derivations and the figures measured beside them. The bound assumes keys spread evenly over the
-servers and ignores protocol headers (TCP/IP over 1500-byte frames carries ~95% payload).
+With S = W co-located servers the PS bound is 2(W-1)/W * T, the ring's.
+
+Chain replication (KVPS_REPLICAS=R, server/replication.py) adds server-to-server bytes: the ranges
+of home h live on servers h, h+1, ..., h+R, and each member but the tail forwards every push it
+applies (each worker's, W of them a step: rounds are not summed first) to the next. A server is
+the head of one chain and a middle member of R-1, so it sends R*W*M/S more, and receives as much
+from its predecessors; the pulls are answered by the head alone, as without replicas. Every
+server-to-server hop crosses a host link (one server per host, in both placements), so:
+
+  PS, dedicated, R     a server host carries (1+R)*W*M/S each way          -> max(1, (1+R)*W/S) * T
+  PS, co-located, R    a host with a server carries (S+W-2+R*W)/S*M each way
+                                                                -> max((S+W-2+R*W)/S, [S<W]) * T
+
+docs/emulate.md has the derivations and the figures measured beside them. The bound assumes keys
+spread evenly over the servers and ignores protocol headers (TCP/IP over 1500-byte frames carries
+~95% payload) and the small replies along a chain.
 """
 import collections
 
@@ -28,9 +42,11 @@ Prediction = collections.namedtuple("Prediction", "ring ps")
 Prediction.__doc__ = "Seconds per step at the bandwidth bound: ring all-reduce and parameter server."
 
 
-def theory(M_bytes, B_bits_per_s, W, S, colocated=False):
-    """Predicted seconds per step (see the module docstring). Raises ConfigError for values that
-    describe no job: W or S below 1, B not positive, M negative, or more co-located servers than hosts."""
+def theory(M_bytes, B_bits_per_s, W, S, colocated=False, replicas=0):
+    """Predicted seconds per step (see the module docstring); `replicas`: chain replication's R,
+    which only the PS bound counts. Raises ConfigError for values that describe no job: W or S
+    below 1, B not positive, M negative, more co-located servers than hosts, or R negative or not
+    below S (a chain needs R+1 servers)."""
     if W < 1 or S < 1:
         raise ConfigError(f"W={W}, S={S}: a job needs at least one worker and one server")
     if B_bits_per_s <= 0:
@@ -39,10 +55,13 @@ def theory(M_bytes, B_bits_per_s, W, S, colocated=False):
         raise ConfigError(f"M={M_bytes!r} bytes must not be negative")
     if colocated and S > W:
         raise ConfigError(f"S={S} co-located servers need at least as many worker hosts (W={W})")
+    if replicas < 0 or (replicas and replicas >= S):
+        raise ConfigError(f"R={replicas} replicas need {replicas + 1} or more servers (S={S})"
+                          if replicas > 0 else f"R={replicas} replicas must not be negative")
     T = 8.0 * M_bytes / B_bits_per_s
     ring = 2.0 * (W - 1) / W * T
     if colocated:
-        ps = max((S + W - 2) / S, 1.0 if S < W else 0.0) * T
+        ps = max((S + W - 2 + replicas * W) / S, 1.0 if S < W else 0.0) * T
     else:
-        ps = max(1.0, W / S) * T
+        ps = max(1.0, (1 + replicas) * W / S) * T
     return Prediction(ring, ps)
