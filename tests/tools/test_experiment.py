@@ -329,6 +329,35 @@ def test_tiny_preset_end_to_end(tmp_path):
     print(f"tiny preset: {len(runs)} runs in {elapsed:.0f} s")
 
 
+def test_geo_and_compressed_pull_end_to_end(tmp_path):
+    """GEO-SGD and compressed pull really train, land in the report, and count honestly."""
+    proc, elapsed = _experiment(tmp_path, "--modes", "sync,geo:4,sync+fp16+pull", "--straggler", "off")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    text = (tmp_path / "report.md").read_text()
+    runs = {r["mode"]: r for r in results["runs"]}
+    assert list(runs) == ["sync", "geo:4", "sync+fp16+pull"]
+    assert all(r["status"] == "ok" for r in runs.values()), [r["error"] for r in runs.values()]
+    geo, packed = runs["geo:4"], runs["sync+fp16+pull"]
+    assert "--kvstore dist_geo:4 --steps" in geo["command"] and geo["server"]["mode"] == "geo:4"
+    assert """--kvstore dist_sync --compression '{"type":"fp16","pull":true}' --steps""" in packed["command"]
+    for run in (geo, packed):              # it trained: accuracy rose well above chance (10 classes)
+        assert run["points"][-1]["accuracy"] > max(0.5, run["points"][0]["accuracy"])
+    # GEO: a worker stops right after a sync, points fall on syncs, and the last point counts
+    # every local step of every worker (K x the pushes per key)
+    steps = [f["steps"] for f in geo["finals"]]
+    assert all(n % 4 == 0 for n in steps) and all(p["step"] % 4 == 0 for p in geo["points"])
+    keys = 4                               # the MLP's two weight matrices and two bias vectors
+    assert geo["points"][-1]["updates"] == sum(steps) == 4 * (geo["server"]["pushes"] // keys)
+    assert "| geo:4 | no | loopback | 1/1 |" in text and "| sync+fp16+pull | no | loopback | 1/1 |" in text
+    assert any("gradient compression against the same mode without it" in f["text"] for f in results["findings"])
+    assert any("under geo:4 a gradient is one worker's local step" in f["text"] for f in results["findings"])
+    for png in ("digits-W2-none-geo.png", "digits-W2-none-compression.png"):
+        assert (tmp_path / png).stat().st_size > 1000 and f"]({png})" in text
+    _check_facts(results, text)
+    print(f"geo and compressed pull: {len(runs)} runs in {elapsed:.0f} s")
+
+
 def test_sparse_workload_repeated_end_to_end(tmp_path):
     proc, _ = _experiment(tmp_path, "--workloads", "sparse", "--modes", "ssp:2,allreduce", "--straggler", "off",
                           "--repeats", "2", "--seed", "5")

@@ -1,5 +1,6 @@
 """`kvps experiment`: real models trained on real data under each consistency mode (sync, async,
-SSP, backup workers, ring all-reduce), with and without a straggler, and a report of the results.
+SSP, backup workers, GEO-SGD, ring all-reduce; with gradient compression too), with and without a
+straggler, and a report of the results.
 
     kvps experiment --quick              # or python -m kvps.tools.experiment --quick
     kvps experiment --tiny --out /tmp/x  # the end-to-end check the tests run

@@ -6,6 +6,8 @@ and write a report of what happened.
     kvps experiment --tiny                      # seconds per run: the test suite's end-to-end check
     kvps experiment --quick --modes sync,ssp:4 --workers 4 --straggler on --target digits=0.97 --repeats 5
     kvps experiment --quick --emulate 100mbit   # the `wide` workload on loopback and on emulated hosts
+    kvps experiment --full --workloads digits --modes sync,async,geo:1,geo:4,geo:16 --straggler off
+    kvps experiment --full --workloads digits --modes sync,sync+fp16,sync+fp16+pull --straggler off
 
 Writes --out (default reports/experiment/): report.md, results.json and PNG plots. Every run has
 a deadline (--timeout); a run that fails or hangs is reported with its output tail and the
@@ -80,7 +82,8 @@ def parser():
     size.add_argument("--quick", dest="preset", action="store_const", const="quick",
                       help="digits at W=3, 7 cells (4 modes without the straggler, 3 with) x 3 repeats: 3.5 to 5 min")
     size.add_argument("--full", dest="preset", action="store_const", const="full",
-                      help="both workloads, W in 2,4, eight modes, 5 repeats (the default)")
+                      help="both workloads, W in 2,4, eight modes (digits also GEO-SGD and compression), "
+                           "5 repeats (the default)")
     size.add_argument("--tiny", dest="preset", action="store_const", const="tiny",
                       help="a few dozen steps per run, digits at W=2: checks the whole pipeline")
     p.add_argument("--workloads", type=_csv("workloads"), help=f"of: {', '.join(presets.WORKLOADS)}")
@@ -136,6 +139,9 @@ def main(argv=None):
             modes = modes or preset.emulated_modes
         specs = presets.plan(preset, workloads, modes, args.workers, stragglers, args.servers,
                              args.steps, args.seconds, seed, calibrate=args.straggler_delay is None)
+        skipped_cells = presets.skipped(workloads or preset.workloads, modes) if modes else []
+        if not specs:
+            raise ValueError("nothing to run: " + "; ".join(f"{w} {m}: {why}" for w, m, why in skipped_cells))
         specs = presets.emulated(specs, rates)
         workloads = sorted({s.workload for s in specs}, key=list(presets.WORKLOADS).index)
         targets = {w: presets.WORKLOADS[w].target for w in workloads}
@@ -153,7 +159,9 @@ def main(argv=None):
         "workloads": {w: f"{presets.WORKLOADS[w].title}; `python -m {presets.WORKLOADS[w].module} "
                          f"{' '.join(presets.script_args(w, preset.size, args.steps, args.seconds, args.seed))}`"
                       for w in workloads},
-        "modes": {m: presets.kvstore_type(m) for m in dict.fromkeys(s.mode for s in specs)},
+        "modes": {m: shlex.join([presets.kvstore_type(m), *presets.parse_mode(m).script_args])
+                  for m in dict.fromkeys(s.mode for s in specs)},
+        "skipped": skipped_cells,
         "workers": sorted({s.workers for s in specs}),
         "servers": preset.servers if args.servers is None else args.servers,
         "repeats": repeats, "seed": seed,
@@ -162,6 +170,8 @@ def main(argv=None):
     }
     if skipped:
         print(f"[experiment] emulated hosts skipped: {skipped}", flush=True)
+    for w, m, why in skipped_cells:
+        print(f"[experiment] skipped {w} {m}: {why}", flush=True)
     code = _run_all(specs, results, args, preset, repeats, seed)
     results["findings"] = findings_mod.findings(results["runs"], targets)
     results["summary"] = [summarize(r, targets[r["workload"]]) for r in results["runs"]]

@@ -19,6 +19,7 @@ import math
 
 from kvps.tools.experiment import intervals
 from kvps.tools.experiment.metrics import cells, median, show, show_interval
+from kvps.tools.experiment.presets import parse_mode
 
 
 class _Sentence:
@@ -119,8 +120,8 @@ def findings(runs, targets):
                 run = by_run[setting[0]["run_ids"][0]]
                 label = _straggler_label(run) if straggled else (lambda s: "no straggler")
                 out.append(_race(where, label, setting, target))
-                out += [f for f in (_throughput(where, label, setting), _efficiency(where, label, setting, target))
-                        if f]
+                out += [f for f in (_throughput(where, label, setting), _efficiency(where, label, setting, target),
+                                    _compression_effect(where, label, setting)) if f]
             out += [f for f in (_straggler_effect(where, here, by_run), _staleness(where, here), _dropped(where, here))
                     if f]
         local = [r for r in group if r["net"] == "local" and r["ok"] and not r["straggler"]]
@@ -168,7 +169,7 @@ def _throughput(where, label, rows):
         return None
     s = _Sentence()
     s.add(f"{where}, {label(s)}: gradients applied per second, most first: ")
-    s.add(_ordering(s, rated, "updates_per_s", most_first=True) + ".")
+    s.add(_ordering(s, rated, "updates_per_s", most_first=True) + _geo_note(rated) + ".")
     return s.done()
 
 
@@ -178,8 +179,51 @@ def _efficiency(where, label, rows, target):
         return None
     s = _Sentence()
     s.add(f"{where}, {label(s)}: gradients applied until {show('target', target)} test accuracy, fewest first: ")
-    s.add(_ordering(s, counted, "updates_to_target") + ".")
+    s.add(_ordering(s, counted, "updates_to_target") + _geo_note(counted) + ".")
     return s.done()
+
+
+def _geo_note(rows):
+    """What a gradient is under GEO-SGD, where one of the rows is a geo mode."""
+    geo = sorted({r["mode"] for r in rows if parse_mode(r["mode"]).family == "geo"})
+    if not geo:
+        return ""
+    return (f" (under {_listing(geo)} a gradient is one worker's local step, counted when its change "
+            f"reaches the servers, K steps in one push)")
+
+
+def _compression_effect(where, label, rows):
+    """Each compressed cell beside the same mode without compression, in one setting."""
+    plain = {r["mode"]: r for r in rows if parse_mode(r["mode"]).compression is None}
+    pairs = [(r, plain[parse_mode(r["mode"]).base]) for r in rows
+             if parse_mode(r["mode"]).compression is not None and parse_mode(r["mode"]).base in plain]
+    if not pairs:
+        return None
+    s = _Sentence()
+    s.add(f"{where}, {label(s)}: gradient compression against the same mode without it "
+          f"({_over([r for pair in pairs for r in pair])}), compressed / plain: ")
+    items = []
+    for c, b in pairs:
+        text = (f"{c['mode']} time to target {s.num(c, 'time_to_target')} / {s.num(b, 'time_to_target')}, "
+                f"final accuracy {s.num(c, 'final_accuracy')} / {s.num(b, 'final_accuracy')}")
+        if c["step_ms"] and b["step_ms"]:
+            text += f", step {s.num(c, 'step_ms')} / {s.num(b, 'step_ms')}"
+        verdicts = [v for v in (_versus(c, b, "time_to_target", "time", ("faster", "slower")),
+                                _versus(c, b, "final_accuracy", "accuracy", ("lower", "higher")),
+                                _versus(c, b, "step_ms", "step", ("shorter", "longer"))) if v]
+        items.append(text + (f" ({'; '.join(verdicts)})" if verdicts else ""))
+    return s.add("; ".join(items) + ".").done()
+
+
+def _versus(a, b, metric, name, words):
+    """"no clear difference in time", or a's side of the comparison ("slower"), when both cells
+    have intervals (more than one run); None otherwise."""
+    if a[metric] is None or b[metric] is None or a["ok"] < 2 or b["ok"] < 2:
+        return None
+    ia, ib = _iv(a, metric), _iv(b, metric)
+    if intervals.overlap(ia, ib):
+        return f"no clear difference in {name}"
+    return f"{name}: {words[0] if ia.median < ib.median else words[1]}"
 
 
 def _straggler_effect(where, rows, by_run):

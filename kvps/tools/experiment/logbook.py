@@ -7,9 +7,7 @@
         book.stepped()
         if book.due():
             evaluate()                    # with book.evaluating(): ...; book.point(loss=.., accuracy=..)
-    if book.due():                        # rank 0: the final weights too
-        evaluate()
-    book.finish()                         # kv.join(), then the final line of every worker
+    book.finish(evaluate)                 # rank 0: the final weights too; kv.join(), then the final lines
 
 Lines, one JSON object each on stdout (the launcher prefixes them with "[Wr] "):
 
@@ -23,6 +21,13 @@ out: evaluation and the looks at the servers' counters); "updates" is the number
 of gradients applied so far over all workers (from the servers' push counters: pushes less
 dropped pushes, divided by the number of keys; W x this worker's steps for the ring, which runs
 in lockstep).
+
+GEO-SGD (dist_geo:K) steps locally and pushes a key's change once every K steps, so there a
+gradient is one worker's local step, counted when its change reaches the servers: K x the pushes
+per key. A GEO worker's weights are the merged ones only right after a sync, so rank 0 evaluates
+only then (the first sync at or after each --eval-every), a worker stops only right after a sync
+(every local step's change reaches the servers, and the count is exact), and finish(merge=...)
+merges every worker's last change (kv.sync()) before the final evaluation.
 
 A run is a budget of W x --steps gradients. In lockstep modes (sync, the ring) every worker takes
 --steps steps. Where workers drift apart (async, SSP, backup workers) each one goes on until the
@@ -87,6 +92,12 @@ def gradient_scale(kv):
     return 1.0 / (kv.num_workers - getattr(consistency, "backup", 0))
 
 
+def sync_every(kv):
+    """Local steps between two syncs of a worker's weights: K for GEO-SGD (dist_geo:K), else 1."""
+    consistency = getattr(kv, "consistency", None)
+    return consistency.k_steps if getattr(consistency, "mode", None) == "geo" else 1
+
+
 def _lockstep(kv):
     """Whether every worker takes the same steps in lockstep: sync without backup workers, the ring."""
     consistency = getattr(kv, "consistency", None)
@@ -106,6 +117,7 @@ class Logbook:
         self.rank, self.workers = kv.rank, kv.num_workers
         self.ring = kv.type == "allreduce"
         self.lockstep = _lockstep(kv)
+        self.sync_every = sync_every(kv)      # GEO: gradients per push, and steps between merged weights
         self.steps = 0
         self.stopped = None
         self._start = None
@@ -114,6 +126,7 @@ class Logbook:
         self._step_times = []
         self._last = self._watched = None
         self._pointed = None              # the step of the last evaluation point
+        self._owed = False                # a point fell due between two GEO syncs
 
     # ---- the clock ----
     def start(self):
@@ -138,6 +151,8 @@ class Logbook:
         gradients: in lockstep modes each worker takes `steps` steps; where workers drift apart,
         each goes on until the servers have applied the whole budget (see the module docstring)."""
         budget = steps * self.workers
+        if self.steps % self.sync_every:      # GEO: stop only right after a sync
+            return True
         if seconds and self.clock() >= seconds:
             self.stopped = "seconds"
         elif self.lockstep or self.workers == 1:
@@ -149,7 +164,7 @@ class Logbook:
             self._watched = time.perf_counter()
             with self.evaluating():          # bookkeeping, not training
                 s = server_summary(self.kv.server_stats())
-            if (s["pushes"] - s["dropped"]) // max(self.nkeys, 1) >= budget:
+            if self._applied(s) >= budget:
                 self.stopped = "budget"
             elif s["joins"] >= self.workers - 1:
                 self.stopped = "others"
@@ -175,19 +190,26 @@ class Logbook:
         if self.stopped is not None:
             return self.steps > 0 and self._pointed != self.steps
         if self.every_unit == "steps":
-            return self.steps % self.every == 0
-        if self.clock() >= self._next:
-            self._next = self.clock() + self.every
-            return True
-        return False
+            self._owed |= self.steps % self.every == 0
+        elif self.clock() >= self._next:
+            self._owed = True
+        if not self._owed or self.steps % self.sync_every:     # GEO: only the merged weights count
+            return False
+        self._owed = False
+        self._next = self.clock() + self.every
+        return True
 
     # ---- what is printed ----
     def updates(self):
         """Gradients applied so far, over all workers (see the module docstring)."""
         if self.ring or not hasattr(self.kv, "server_stats"):
             return self.steps * self.workers
-        s = server_summary(self.kv.server_stats())
-        return (s["pushes"] - s["dropped"]) // max(self.nkeys, 1)
+        return self._applied(server_summary(self.kv.server_stats()))
+
+    def _applied(self, summary):
+        """Gradients applied, from the servers' counters: pushes less dropped, per key; under GEO
+        each push carries K local steps."""
+        return (summary["pushes"] - summary["dropped"]) * self.sync_every // max(self.nkeys, 1)
 
     def point(self, loss, accuracy, **extra):
         with self.evaluating():          # asking the servers is not training time either
@@ -197,10 +219,15 @@ class Logbook:
                         "updates": updates, "loss": round(float(loss), 5), "accuracy": round(float(accuracy), 5)},
                        **{k: round(float(v), 5) for k, v in extra.items()}))
 
-    def finish(self, evaluate=None, **extra):
+    def finish(self, evaluate=None, merge=None, **extra):
         """Evaluate the final weights (rank 0, unless the last step just was), join (so rounds never
         wait for a worker that stopped early), then print the final line. Rank 0's line carries
-        the servers' counters, read once every worker has joined."""
+        the servers' counters, read once every worker has joined. `merge`: a collective call that
+        every worker makes first, which changes the weights (GEO: kv.sync(), then a pull); its
+        time counts as training, and rank 0 evaluates what it gives."""
+        if merge is not None:
+            merge()
+            self._pointed = None
         if evaluate is not None and self.due():
             evaluate()
         elapsed = self.clock()

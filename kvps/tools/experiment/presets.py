@@ -2,6 +2,7 @@
 
     plan(PRESETS["quick"])          # [RunSpec], in the order they run
     kvstore_type("ssp:4")           # "dist_ssp:4"
+    parse_mode("geo:4+fp16+pull")   # Mode: kvstore "dist_geo:4", compression {"type": "fp16", "pull": True}
 
 A preset is a grid: workloads x worker counts x (no straggler, a 2x straggler) x modes x
 networks (this machine's loopback, and with --emulate each emulated link rate), each cell run
@@ -9,11 +10,20 @@ networks (this machine's loopback, and with --emulate each emulated link rate), 
 without a straggler come first, sync first of all, because the straggler's delay is set from the
 sync run's measured step time. Emulated cells run without the straggler (`kvps emulate` gives
 every worker the same environment).
+
+A mode is a consistency mode, optionally followed by a gradient compression: `sync`, `geo:4`,
+`sync+2bit` (pushes compressed), `sync+fp16+pull` (pushes and pulls). The compression reaches the
+script as `--compression JSON` (kv.set_gradient_compression; docs/compression.md).
 """
 import dataclasses
+import json
 import re
 
-MODE_HELP = "sync, async, ssp:S (S an int >= 0, or inf), backup:B, allreduce"
+MODE_HELP = ("sync, async, ssp:S (S an int >= 0, or inf), backup:B, geo:K (GEO-SGD, a sync every K local "
+             "steps), allreduce; a parameter-server mode may add +CODEC (compressed pushes: 2bit[:T], 1bit[:T], "
+             "fp16, bf16, topk[:R]) and then +pull (compressed pulls too): sync+2bit, sync+fp16+pull")
+FAMILIES = ("sync", "async", "ssp", "backup", "geo", "allreduce")
+CODECS = {"2bit": "threshold", "1bit": "threshold", "fp16": None, "bf16": None, "topk": "ratio"}   # -> its :VALUE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +35,8 @@ class Workload:
     target: float                # default test-accuracy target for time-to-target
     sizes: dict                  # size ("tiny", "quick", "full") -> tuple of script arguments
     step_timeout: float          # seconds allowed per 1000 steps, on top of start-up (for the deadline)
+    families: tuple = FAMILIES   # the mode families its script can run
+    compression: bool = True     # whether its script takes --compression
 
 
 WORKLOADS = {
@@ -46,7 +58,9 @@ WORKLOADS = {
                    "--eval-every", "0.2s", "--lr", "2"),
          "full": ("--dim", "1048576", "--keys", "64", "--train", "200000", "--test", "10000", "--steps", "1000",
                   "--eval-every", "0.5s", "--lr", "2")},
-        step_timeout=60.0),
+        # row-sparse pushes and pulls: no GEO path (it moves whole weights), and pulls that are
+        # never compressed (docs/compression.md), so no --compression either
+        step_timeout=60.0, families=("sync", "async", "ssp", "backup", "allreduce"), compression=False),
     "wide": Workload(
         "wide", "kvps.tools.experiment.workloads.digits",
         "MLP (64-128-128-10, 26,122 parameters: 104 KB of gradients per step) on the digits, SGD lr 0.2, "
@@ -60,6 +74,12 @@ EMULATED_WORKLOADS = ("wide",)      # what --emulate runs unless --workloads say
 
 QUICK_MODES = ("sync", "async", "ssp:1", "ssp:4", "backup:1", "allreduce")
 FULL_MODES = ("sync", "async", "ssp:1", "ssp:2", "ssp:4", "ssp:8", "backup:1", "allreduce")
+GEO_MODES = ("geo:1", "geo:4", "geo:16")
+# Compressed pull beside plain sync and push-only compression. Under sync with a server optimizer
+# the pulls bring weights, which the servers compress as changes against the worker's copy:
+# fp16 suits that; 2bit moves a weight by whole thresholds (docs/compression.md), which the
+# cell shows.
+COMPRESSION_MODES = ("sync+fp16", "sync+fp16+pull", "sync+2bit", "sync+2bit+pull")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +107,11 @@ PRESETS = {
     "quick": Preset("quick", "quick", ("digits",), ("sync", "async", "ssp:4", "allreduce", "backup:1"), (3,),
                     straggler_modes=("sync", "async", "backup:1"), timeout=120.0, repeats=3,
                     clean_modes=("sync", "async", "ssp:4", "allreduce")),
-    "full": Preset("full", "full", ("digits", "sparse"), FULL_MODES, (2, 4), timeout=300.0, repeats=5),
+    # the digits also run GEO-SGD (with and without the straggler) and compression (without it);
+    # the sparse workload's script has neither (Workload.families)
+    "full": Preset("full", "full", ("digits", "sparse"), FULL_MODES + GEO_MODES + COMPRESSION_MODES, (2, 4),
+                   timeout=300.0, repeats=5, straggler_modes=FULL_MODES + GEO_MODES,
+                   workload_modes={"sparse": FULL_MODES}),
 }
 
 
@@ -112,36 +136,117 @@ class RunSpec:
     def kvstore(self):
         return kvstore_type(self.mode)
 
+    @property
+    def mode_args(self):
+        """The script arguments the mode adds (--compression JSON), before the workload's own."""
+        return parse_mode(self.mode).script_args
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A parsed mode name: its family (sync, async, ssp, backup, geo, allreduce), the kvps.create()
+    type, the parameter (S, B or K; None for sync, async, allreduce) and the compression spec
+    (kv.set_gradient_compression's dict) or None."""
+    name: str
+    family: str
+    kvstore: str
+    param: object = None
+    compression: dict = None
+
+    @property
+    def base(self):
+        """The mode without its compression ("sync" for "sync+fp16+pull")."""
+        return self.name.partition("+")[0]
+
+    @property
+    def script_args(self):
+        if self.compression is None:
+            return ()
+        return ("--compression", json.dumps(self.compression, separators=(",", ":")))
+
+
+def parse_mode(mode):
+    """The Mode a name means; raises ValueError naming a bad one."""
+    if not isinstance(mode, str):
+        raise ValueError(f"mode {mode!r} is not one of {MODE_HELP}")
+    base, *extras = mode.split("+")
+    if base in ("sync", "async", "allreduce"):
+        family, kvstore, param = base, (base if base == "allreduce" else f"dist_{base}"), None
+    else:
+        m = re.fullmatch(r"(ssp):(\d+|inf)|(backup):(\d+)|(geo):([1-9]\d*)", base)
+        if m is None:
+            raise ValueError(f"mode {mode!r} is not one of {MODE_HELP}")
+        if m.group(1):
+            family, param = "ssp", m.group(2) if m.group(2) == "inf" else int(m.group(2))
+            kvstore = f"dist_ssp:{param}"
+        elif m.group(3):
+            family, param = "backup", int(m.group(4))
+            kvstore = f"dist_sync:backup={param}"
+        else:
+            family, param = "geo", int(m.group(6))
+            kvstore = f"dist_geo:{param}"
+    compression = _compression(mode, family, extras) if extras else None
+    return Mode(mode, family, kvstore, param, compression)
+
+
+def _compression(mode, family, extras):
+    """kv.set_gradient_compression's dict for the +CODEC[:VALUE][+pull] part of a mode name."""
+    if family == "allreduce":
+        raise ValueError(f"mode {mode!r}: the ring sends values as they are; compression applies to the "
+                         f"parameter-server modes")
+    codec, *rest = extras
+    name, colon, value = codec.partition(":")
+    if name not in CODECS or rest not in ([], ["pull"]) or (colon and CODECS[name] is None):
+        raise ValueError(f"mode {mode!r} is not one of {MODE_HELP}")
+    spec = {"type": name}
+    if colon:
+        try:
+            spec[CODECS[name]] = float(value)
+        except ValueError:
+            raise ValueError(f"mode {mode!r}: {CODECS[name]} {value!r} is not a number") from None
+    if rest:
+        spec["pull"] = True
+    from kvps.ps.compression import check      # the library's own rules (thresholds, ratios)
+    try:
+        check(spec)
+    except ValueError as exc:
+        raise ValueError(f"mode {mode!r}: {exc}") from None
+    return spec
+
 
 def kvstore_type(mode):
     """The kvps.create() type of a mode name; raises ValueError naming a bad one."""
-    if mode in ("sync", "async"):
-        return f"dist_{mode}"
-    if mode == "allreduce":
-        return "allreduce"
-    m = re.fullmatch(r"ssp:(\d+|inf)", mode)
-    if m:
-        return f"dist_ssp:{m.group(1)}"
-    m = re.fullmatch(r"backup:(\d+)", mode)
-    if m:
-        return f"dist_sync:backup={m.group(1)}"
-    raise ValueError(f"mode {mode!r} is not one of {MODE_HELP}")
+    return parse_mode(mode).kvstore
 
 
 def servers_for(mode, servers):
     """The ring needs no servers; every other mode uses `servers`."""
-    return 0 if mode == "allreduce" else servers
+    return 0 if parse_mode(mode).family == "allreduce" else servers
 
 
 def check_modes(modes, workers):
     """Raise ValueError for a mode that cannot run with some worker count (backup:B needs B < W)."""
     for mode in modes:
-        kvstore_type(mode)
-        m = re.fullmatch(r"backup:(\d+)", mode)
-        if m:
-            small = [w for w in workers if int(m.group(1)) >= w]
+        parsed = parse_mode(mode)
+        if parsed.family == "backup":
+            small = [w for w in workers if parsed.param >= w]
             if small:
-                raise ValueError(f"mode {mode!r} needs more than {m.group(1)} workers; --workers has {small[0]}")
+                raise ValueError(f"mode {mode!r} needs more than {parsed.param} workers; --workers has {small[0]}")
+
+
+def unsupported(workload, mode):
+    """Why the workload's script cannot run the mode, or None when it can."""
+    w, parsed = WORKLOADS[workload], parse_mode(mode)
+    if parsed.family not in w.families:
+        return f"{workload} has no {parsed.family} path (its script runs {', '.join(w.families)})"
+    if parsed.compression is not None and not w.compression:
+        return f"{workload}'s script takes no --compression (its pushes and pulls are row-sparse)"
+    return None
+
+
+def skipped(workloads, modes):
+    """[(workload, mode, why)] for each asked mode a workload cannot run (plan() leaves them out)."""
+    return [(w, m, why) for w in workloads for m in dict.fromkeys(modes) if (why := unsupported(w, m))]
 
 
 def script_args(workload, size, steps=None, seconds=None, seed=None):
@@ -175,6 +280,9 @@ def plan(preset, workloads=None, modes=None, workers=None, stragglers=None, serv
     for workload in workloads:
         args = script_args(workload, preset.size, steps, seconds, seed)
         own = modes if explicit else (preset.workload_modes or {}).get(workload, modes)
+        own = [m for m in own if unsupported(workload, m) is None]
+        if not own:
+            continue
         ordered = sorted(own, key=lambda m: m != "sync")      # sync first: it measures the step time
         for w in workers:
             if calibrate and True in stragglers and (False not in stragglers or "sync" not in own):

@@ -6,6 +6,9 @@ Plots (matplotlib, Agg backend; skipped with a note in report.md where matplotli
     {workload}-W{W}[-{rate}]-{none|straggler}.png   test accuracy vs time, vs gradients applied; loss vs
                                            time: each cell's median over its repeats, a band from the
                                            lowest to the highest run
+    {workload}-W{W}[-{rate}]-{none|straggler}-{geo|compression}.png   the same, for GEO-SGD beside sync
+                                           and async, and for compressed cells beside their plain mode
+                                           (where the setting has more than those)
     {workload}-W{W}-intervals.png          time to target and updates/s of every cell, median and 95% interval
     {workload}-W{W}-staleness.png          the staleness histogram of each mode's applied pushes
 """
@@ -13,6 +16,7 @@ import json
 import os
 
 from kvps.tools.experiment.metrics import cell_id, cells, show, show_interval, summarize
+from kvps.tools.experiment.presets import parse_mode
 
 STALENESS_BINS = 16          # the last bar holds every push at least this stale
 
@@ -49,8 +53,18 @@ def markdown(results, plots=(), plot_note=None):
              "## What ran", ""]
     for name, text in results["workloads"].items():
         lines.append(f"* **{name}**: {text}; target {show('target', targets[name])} test accuracy.")
-    lines += [f"* Modes: {', '.join(f'{m} (`{t}`)' for m, t in results['modes'].items())}.",
-              f"* Workers: {', '.join(str(w) for w in results['workers'])}; parameter-server modes use "
+    lines += [f"* Modes: {', '.join(f'{m} (`{t}`)' for m, t in results['modes'].items())}."]
+    if any(parse_mode(m).family == "geo" for m in results["modes"]):
+        lines.append("* GEO-SGD (`geo:K`): every worker steps its own SGD and sends its weights' change every K "
+                     "steps; the servers add the changes (no server optimizer). A gradient (updates) is one "
+                     "worker's local step, counted when its change reaches the servers; rank 0 evaluates the "
+                     "merged weights it brings back at a sync.")
+    if any(parse_mode(m).compression is not None for m in results["modes"]):
+        lines.append("* Compression (`MODE+CODEC`, `+pull`): pushes compressed (2bit, 1bit and topk with error "
+                     "feedback); with `+pull` the servers' replies too, which with a server optimizer or GEO are "
+                     "weights, sent as compressed changes against each worker's copy (docs/compression.md).")
+    lines += [f"* Skipped: {w} {m}: {why}." for w, m, why in results.get("skipped", [])]
+    lines += [f"* Workers: {', '.join(str(w) for w in results['workers'])}; parameter-server modes use "
               f"{results['servers']} server(s), the ring none.",
               f"* Repeats: every cell (workload, W, mode, straggler, network) ran {repeats} time(s), repeat r with "
               f"seed {results.get('seed', 0)} + r (data split, initial weights, batches, straggler delays); the "
@@ -162,6 +176,10 @@ def _plots(out_dir, results):
                            f"{'with the straggler' if straggled else 'no straggler'}")
                 _curves(plt, os.path.join(out_dir, name), [by_cell[c] for c in chosen], target, caption)
                 made.append((name, caption))
+                for focus, picked in _focus([by_cell[c] for c in chosen]):
+                    name = f"{workload}-W{workers}{tag}-{'straggler' if straggled else 'none'}-{focus}.png"
+                    _curves(plt, os.path.join(out_dir, name), picked, target, f"{caption}: {FOCUS[focus]}")
+                    made.append((name, f"{caption}: {FOCUS[focus]}"))
         mine = [r for r in rows if r["workload"] == workload and r["workers"] == workers and r["ok"]]
         if mine:
             name = f"{workload}-W{workers}-intervals.png"
@@ -175,6 +193,26 @@ def _plots(out_dir, results):
             _staleness(plt, os.path.join(out_dir, name), _first_repeats(staled), caption)
             made.append((name, caption))
     return made, None
+
+
+FOCUS = {"geo": "GEO-SGD beside sync and async", "compression": "compressed cells beside their plain mode"}
+
+
+def _focus(cell_runs):
+    """[(focus, the cells' runs to plot)] for the comparisons a setting holds, each with its
+    baselines: geo:K with sync and async; each compressed mode with the mode without compression.
+    A comparison that would be the whole plot again is left out."""
+    modes = {runs[0]["mode"]: parse_mode(runs[0]["mode"]) for runs in cell_runs}
+    geo = {m for m, p in modes.items() if p.family == "geo"}
+    packed = {m for m, p in modes.items() if p.compression is not None}
+    wanted = {"geo": geo | {"sync", "async"} if geo else set(),
+              "compression": packed | {modes[m].base for m in packed} if packed else set()}
+    out = []
+    for focus, keep in wanted.items():
+        picked = [runs for runs in cell_runs if runs[0]["mode"] in keep]
+        if keep and len(picked) < len(cell_runs):
+            out.append((focus, picked))
+    return out
 
 
 def _first_repeats(runs):

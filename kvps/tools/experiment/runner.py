@@ -3,10 +3,11 @@
     result = run(spec, delay=0.0021, timeout=120, say=print)
 
 The command is `python -m kvps.cli launch -n W -s S [--straggler R=fixed:D] -- python -m
-kvps.tools.experiment.workloads.X --kvstore TYPE ...`; the straggler is the last worker (never rank 0, which
-evaluates). An emulated cell (spec.net a rate) runs under `python -m kvps.cli emulate -n W -s S
---rate RATE --timeout T -- ...` instead: every node on a host of its own with its own link
-(kvps/tools/emulate), the workers' output prefixed as `kvps launch` prefixes it.
+kvps.tools.experiment.workloads.X --kvstore TYPE [--compression JSON] ...` (the mode gives TYPE and
+the compression); the straggler is the last worker (never rank 0, which evaluates). An emulated
+cell (spec.net a rate) runs under `python -m kvps.cli emulate -n W -s S --rate RATE --timeout T --
+...` instead: every node on a host of its own with its own link (kvps/tools/emulate), the
+workers' output prefixed as `kvps launch` prefixes it.
 
 Progress lines go to `say` while it runs. The result is a plain dict (it goes into results.json
 as it is): the spec, status ("ok", "failed", "timeout"), exit code, wall time, rank 0's evaluation points, every worker's final line, the servers' counters, and for a run
@@ -51,7 +52,7 @@ EMULATE_MARGIN = 10.0      # seconds `kvps emulate` stops its job before the run
 def command(spec, straggler=None, seed=0, python=None, timeout=180.0):
     """The argv that launches the run."""
     python = python or sys.executable
-    script = [python, "-m", WORKLOADS[spec.workload].module, "--kvstore", spec.kvstore, *spec.args]
+    script = [python, "-m", WORKLOADS[spec.workload].module, "--kvstore", spec.kvstore, *spec.mode_args, *spec.args]
     if spec.net != "local":
         if straggler:
             raise ValueError(f"{spec.id}: an emulated run cannot have a straggler (every worker gets one environment)")
@@ -88,7 +89,7 @@ def run(spec, delay=0.0, timeout=180.0, say=print, kind="fixed", seed=0, env=Non
     argv = command(spec, straggler, seed, timeout=timeout)
     result = {"id": spec.id, "cell": spec.id, "workload": spec.workload, "mode": spec.mode, "kvstore": spec.kvstore,
               "workers": spec.workers, "servers": spec.servers, "straggler": straggler, "net": spec.net,
-              "args": list(spec.args), "command": shown_command(argv),
+              "args": [*spec.mode_args, *spec.args], "command": shown_command(argv),
               "status": None, "exit_code": None, "wall_s": None, "error": None,
               "points": [], "finals": [], "server": None, "tail": []}
     env = {**os.environ, **THREAD_ENV, **(env or {})}

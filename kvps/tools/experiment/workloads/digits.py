@@ -14,9 +14,21 @@ parameter-server kvstores and on every worker alike for the ring ('allreduce' su
 gradients, then each worker applies the same step). Rank 0 evaluates on the test set every
 --eval-every ("0.1s" or "50" steps) and prints JSON lines; every worker prints a final line
 (kvps/tools/experiment/logbook.py has the format).
+
+    kvps launch -n 2 -s 1 -- python -m kvps.tools.experiment.workloads.digits --kvstore dist_geo:4
+    kvps launch -n 2 -s 1 -- python -m kvps.tools.experiment.workloads.digits --compression '{"type":"2bit"}'
+
+Under GEO-SGD (dist_geo:K, docs/consistency.md) the servers run no optimizer: each worker steps
+its own torch SGD (the same lr and momentum) every step and hands its weights to
+kv.pushpull(names, weights, out=weights), which every K steps sends their change since the last
+sync and brings back the merged weights; at the end kv.sync() merges every worker's last change.
+Rank 0 evaluates the merged weights, right after a sync. --compression JSON calls
+kv.set_gradient_compression with it before init (docs/compression.md; "pull": true compresses
+the pulls too).
 `kvps experiment` runs this script under every mode (docs/experiment.md).
 """
 import argparse
+import json
 
 import numpy as np
 import torch
@@ -57,7 +69,9 @@ def model(kind, seed, hidden=128):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kvstore", default="dist_sync", help="kvstore type: dist_sync, dist_async, dist_ssp:4, "
-                                                          "dist_sync:backup=1, allreduce, local")
+                                                          "dist_sync:backup=1, dist_geo:4, allreduce, local")
+    p.add_argument("--compression", type=json.loads, default=None, metavar="JSON",
+                   help='kv.set_gradient_compression(JSON), e.g. \'{"type": "2bit", "pull": true}\'')
     p.add_argument("--model", choices=("mlp", "cnn", "wide"), default="mlp")
     p.add_argument("--hidden", type=int, default=128, help="units of each hidden layer of --model wide")
     p.add_argument("--steps", type=int, default=1500, help="training steps of each worker (at most)")
@@ -72,16 +86,23 @@ def main():
     # Many processes share the cores: one torch thread each (torch's idle threads spin).
     torch.set_num_threads(1)
     kv = kvps.create(args.kvstore)
+    if args.compression is not None:
+        kv.set_gradient_compression(args.compression)             # before init: the first pull starts exact
     rank, workers = kv.rank, kv.num_workers
     (x, y), (x_test, y_test) = dataset(args.seed)
     x, y = x[rank::workers], y[rank::workers]
     net = model(args.model, args.seed, args.hidden)
     names = [name for name, _ in net.named_parameters()]
     params = [param for _, param in net.named_parameters()]
+    weights = [param.data for param in params]
     kv.init(names, [param.detach() for param in params])
-    kv.pull(names, out=[param.data for param in params])          # every worker starts from rank 0's weights
-    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=args.lr, momentum=args.momentum,
-                                        rescale_grad=gradient_scale(kv)))
+    kv.pull(names, out=weights)                                    # every worker starts from rank 0's weights
+    geo = getattr(kv, "mode", None) == "geo"
+    if geo:              # GEO: each worker's own optimizer; the servers add the changes (no optimizer)
+        local = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+    else:
+        kv.set_optimizer(kvps.optimizer.SGD(learning_rate=args.lr, momentum=args.momentum,
+                                            rescale_grad=gradient_scale(kv)))
     loss_fn = torch.nn.CrossEntropyLoss()
     loss_fn(net(x[:args.batch]), y[:args.batch]).backward()        # warm torch up before the clock starts
     g = torch.Generator().manual_seed(1000 * args.seed + rank)
@@ -100,9 +121,18 @@ def main():
         idx = torch.randint(0, len(x), (args.batch,), generator=g)
         net.zero_grad()
         loss_fn(net(x[idx]), y[idx]).backward()
-        kv.pushpull(names, [param.grad for param in params], out=[param.data for param in params])
+        if geo:
+            local.step()                                     # a local step, then the GEO step:
+            kv.pushpull(names, weights, out=weights)         # a sync every K of them
+        else:
+            kv.pushpull(names, [param.grad for param in params], out=weights)
         book.after_step(evaluate)
-    book.finish(evaluate)              # rank 0 evaluates the final weights; every worker joins
+
+    def merge():                       # GEO: every worker's last change in, every worker the merged weights
+        kv.sync()
+        kv.pull(names, out=weights)
+
+    book.finish(evaluate, merge=merge if geo else None)    # rank 0 evaluates the final weights; all join
     kv.close()
 
 
