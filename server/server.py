@@ -109,8 +109,9 @@ class Reply:
         else:
             entries, payloads, shared = [], [], []
             for index, (request_entry, array) in enumerate(zip(h.keys, self.results)):
-                array = self._squeeze(index, request_entry, array)
-                view = self.into.get(index)
+                if self.pull is not None:
+                    array = self._squeeze(index, request_entry, array)
+                view = self.into.get(index) if self.into else None
                 if view is not None and index not in self.squeezed and view.nbytes == array.nbytes:
                     np.copyto(view, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
                     entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
@@ -120,13 +121,17 @@ class Reply:
                 entries.append(Entry.of(request_entry.key, request_entry.part, array))
                 if array.nbytes:
                     payloads.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-            slots = [(e.key, e.part) for i, e in enumerate(h.keys) if i not in self.squeezed]
             meta = {"codec": self.pull[1], "delta": self._delta()} if self.pull is not None else {}
             if shared:
                 meta["shm"] = shared
             reply = Header(Op.VALUE, h.id, server.name, entries, meta or None)
-            server.answer(self.routing_id, h, reply, payloads,
-                          on_tracker=lambda tracker: [server.store.sent(k, p, tracker) for k, p in slots])
+            squeezed = self.squeezed
+
+            def sent_from_values(tracker):      # only a reply big enough to be sent without a copy has one
+                for i, e in enumerate(h.keys):
+                    if i not in squeezed:
+                        server.store.sent(e.key, e.part, tracker)
+            server.answer(self.routing_id, h, reply, payloads, on_tracker=sent_from_values)
 
     def _delta(self):
         """What compressed pulls send (kvps.ps.compression): a round's merged update (dist_sync
@@ -177,6 +182,7 @@ class Server(Node):
         self.chain = None                       # server.replication.Chain with KVPS_REPLICAS
         self.homes = {}                         # (key, part) -> the home rank of its range (KVPS_REPLICAS)
         self._redirect = {}                     # (client, id) -> (routing id, request): who asked last
+        self._ranks = {}                        # worker name -> its rank (names checked once)
 
     def serve(self):
         self.start()
@@ -451,11 +457,15 @@ class Server(Node):
 
     def _worker(self, src):
         num = self.store.num_workers
+        rank = self._ranks.get(src)
+        if rank is not None and rank < num:
+            return rank
         role, rank = parse_name(src)
-        if not (role == "worker" and rank < num):
-            raise ProtocolError(f"request from {quote(src)}, which is not one of this job's {num} workers "
-                                f"(W0 .. W{num - 1})")
-        return rank
+        if role == "worker" and rank < num:
+            self._ranks[src] = rank         # a valid name only: at most num_workers entries
+            return rank
+        raise ProtocolError(f"request from {quote(src)}, which is not one of this job's {num} workers "
+                            f"(W0 .. W{num - 1})")
 
     @staticmethod
     def _row_request(header, pairs, once):

@@ -173,7 +173,7 @@ class Store:
     def check(self, key, part, dtype, shape):
         """Raise KVValueError/KVKeyError unless (key, part) holds an array of this dtype and shape."""
         slot = self.slot(key, part)
-        if slot.dtype != np.dtype(dtype) or slot.shape != tuple(shape):
+        if slot.dtype != dtype or slot.shape != (shape if type(shape) is tuple else tuple(shape)):
             raise KVValueError(f"{slot.name()} was initialised as {_show(slot.dtype, slot.shape)}; "
                                f"got {_show(dtype, shape)}")
         return slot

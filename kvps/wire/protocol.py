@@ -479,6 +479,13 @@ class Header:
         self.meta = {} if meta is None else meta
         self.arrived = None
 
+    @classmethod
+    def decoded(cls, op, id, src, keys, meta):
+        """A Header from fields decode() has checked (op an Op, keys a fresh list of Entry)."""
+        header = cls.__new__(cls)
+        header.op, header.id, header.src, header.keys, header.meta, header.arrived = op, id, src, keys, meta, None
+        return header
+
     def encode(self):
         """The header frame; raises ProtocolError for one no peer would decode (see MAX_HEADER_BYTES)."""
         if len(self.keys) > MAX_ENTRIES:
@@ -540,7 +547,7 @@ def decode(frame):
     checks, required = _META[op]
     if meta or required:
         _check_meta(op, meta, checks, required)
-    return Header(op, request_id, src, [_entry(e) for e in keys], meta)
+    return Header.decoded(op, request_id, src, [_entry(e) for e in keys], meta)
 
 
 def _check_meta(op, meta, checks, required):

@@ -23,6 +23,7 @@ kv = kvps.create(sys.argv[1])
 kv.init("w", np.arange(8, dtype=np.float32))
 kv.init("big", np.zeros(1 << 22, np.float32))
 kv.init("emb", np.arange(40, dtype=np.float32).reshape(10, 4))
+kv.init("mid", np.zeros(15000, np.float32))      # a 60 KB reply: still copied, not tracked (TRACK_BYTES)
 print(json.dumps({"ready": True}), flush=True)
 sys.stdin.readline()                    # the test is done with the daemons (its deadline bounds this)
 start = time.monotonic()
@@ -204,9 +205,10 @@ def test_a_peer_that_reads_no_replies_pins_bounded_memory(cluster):
     big = Peer(c.server_ports[0], RCVHWM=1, RCVBUF=4096)
     stats = Peer(c.server_ports[0])
     try:
-        pull_w = Header(Op.PULL, 1, "W0", [Entry.bare("w", 0, 0, (8,))]).encode()
-        for _ in range(5000):                       # 5,000 small replies nobody reads
-            small.sock.send(pull_w)
+        # 5,000 small (copied) replies nobody reads: 300 MB, far more than the sockets' buffers hold
+        pull_mid = Header(Op.PULL, 1, "W0", [Entry.bare("mid", 0, 0, (15000,))]).encode()
+        for _ in range(5000):
+            small.sock.send(pull_mid)
         pull_big = Header(Op.PULL, 2, "W0", [Entry.bare("big", 0, 0, (1 << 22,))]).encode()
         for _ in range(20):                         # 20 x 16 MB against a 40 MB bound
             big.sock.send(pull_big)
