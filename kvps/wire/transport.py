@@ -219,7 +219,12 @@ class Van:
             if self._stopping or self._closed:
                 raise KVPSError(f"{self.name}: the transport is stopped (the node has left the job or shut "
                                 f"down); no connection to {peer}")
-            sock = self._ctx.socket(zmq.DEALER)
+            return self._dealer(peer, host, port)
+
+    def _dealer(self, peer, host, port):
+        """A DEALER connected to a peer: no queue bounds (a request waits until the peer takes it), no
+        linger, CURVE to the peer's key when the job runs it."""
+        sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -511,13 +516,7 @@ class Van:
 
     def _connect_now(self, peer, host, port):
         self._disconnect_now(peer)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        if self._curve is not None:
-            self._curve.dial(sock, peer)
-        sock.connect(f"tcp://{host}:{port}")
+        sock = self._dealer(peer, host, port)
         self._dealers[peer] = sock
         self._peer_of[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
