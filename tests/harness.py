@@ -37,6 +37,28 @@ def run_command(argv, cwd, timeout):
         raise AssertionError(f"{' '.join(argv[:5])} hung past {timeout} s\n{exc.stdout}\n{exc.stderr}") from None
 
 
+def program_or_skip(name, package, path=None, timeout=600):
+    """The path of program `name` (or `path`), installing Debian's `package` first when it is missing
+    and we are root with apt-get (as CI is); pytest.skip naming the reason where it cannot be had."""
+    import shutil
+    import pytest
+
+    def found():
+        return shutil.which(name) or (path if path and os.path.exists(path) else None)
+    if found():
+        return found()
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip(f"{name} is not installed and cannot be (apt-get install -y {package} needs root and apt)")
+    try:
+        result = subprocess.run(["apt-get", "install", "-y", package], capture_output=True, text=True,
+                                timeout=timeout, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"apt-get install -y {package} took over {timeout} s")
+    if not found():
+        pytest.skip(f"apt-get install -y {package} did not install {name}: {(result.stdout + result.stderr)[-500:]}")
+    return found()
+
+
 def wait_for(predicate, timeout, what):
     """Poll predicate() until it is true; AssertionError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -7,16 +7,14 @@ Grafana dashboard's queries find them. Skipped, with the reason, where prometheu
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import urllib.parse
 import urllib.request
 
-import pytest
 
 from kvps.metrics import catalog
-from tests.harness import Cluster, wait_for
+from tests.harness import Cluster, program_or_skip, wait_for
 
 DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "grafana", "kvps-dashboard.json")
 PUSHES = 200                # per worker, 10 ms apart: about 2.5 s of pushing
@@ -54,20 +52,7 @@ kv.close()
 
 def prometheus_binary():
     """The prometheus binary, installing Debian's package where we may; pytest.skip with the reason."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("prometheus is not installed and cannot be (apt-get install -y prometheus needs root and apt)")
-    try:
-        result = subprocess.run(["apt-get", "install", "-y", "prometheus"], capture_output=True, text=True,
-                                timeout=600, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-    except subprocess.TimeoutExpired:
-        pytest.skip("apt-get install -y prometheus took over 600 s")
-    found = shutil.which("prometheus")
-    if not found:
-        pytest.skip(f"apt-get install -y prometheus failed: {(result.stdout + result.stderr)[-500:]}")
-    return found
+    return program_or_skip("prometheus", "prometheus")
 
 
 class Prometheus:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from harness import FAST_ENV, PY, wait_for
+from harness import FAST_ENV, PY, program_or_skip, wait_for
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 HOSTS = 4
@@ -61,8 +61,9 @@ def _reference():
 def _skip_reason():
     if os.geteuid() != 0:
         return "needs root (network namespaces, sshd)"
+    program_or_skip("sshd", "openssh-server", path="/usr/sbin/sshd")    # Debian's: ssh and ssh-keygen too
     for tool in (SSHD, "ssh", "ssh-keygen", "tar"):
-        if not shutil.which(tool):
+        if not shutil.which(tool) and not os.path.exists(tool):
             return f"{tool} is not installed (apt-get install -y openssh-server)"
     from kvps.tools.emulate.network import permitted
     ok, why = permitted()

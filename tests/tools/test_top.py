@@ -4,15 +4,13 @@ test reads the screen until it shows every node alive, rates, the slowest worker
 server and key. Then --once, for scripts, and the errors."""
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 
-import pytest
 
 from kvps.tools.top import main as top_main
-from tests.harness import FAST_ENV, PY, run_command, wait_for
+from tests.harness import FAST_ENV, PY, program_or_skip, run_command, wait_for
 
 WORKER = """
 import os, pathlib, time
@@ -32,14 +30,7 @@ kv.close()
 
 
 def tmux_binary():
-    found = shutil.which("tmux")
-    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "tmux"], capture_output=True, timeout=300,
-                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-        found = shutil.which("tmux")
-    if not found:
-        pytest.skip("tmux is not installed and apt-get install -y tmux did not install it")
-    return found
+    return program_or_skip("tmux", "tmux", timeout=300)
 
 
 def test_top_shows_a_job_launched_with_metrics(tmp_path):
