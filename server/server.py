@@ -251,7 +251,7 @@ class Server(Node):
             for request in joining:
                 self.on_client(*request)
 
-    def on_worker_left(self, node):
+    def on_worker_left(self, node, reason):
         self.shared.pop(node, None)         # its segments go once nothing else maps them
         role, rank = parse_name(node)
         if self.store is not None and role == "worker":
@@ -259,7 +259,7 @@ class Server(Node):
             if self.cfg.elastic and rank < self.store.num_workers:
                 self.store.worker_removed(rank)     # rounds go on without it
             else:
-                self.store.worker_gone(rank, f"worker {node} has left the job (closed its kvstore)")
+                self.store.worker_gone(rank, f"worker {node} has left the job ({escape(reason)})")
 
     def on_failure(self, node, failure):
         role, rank = parse_name(node)

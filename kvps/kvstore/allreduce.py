@@ -35,10 +35,10 @@ class RingKVStore(KVStore):
         self._updater = None
         engine, node, ring = self._engine, self._node, self._ring
 
-        def leave():
+        def leave(reason=None):
             ring.close()                 # a collective still waiting (the job is broken) ends now
             engine.stop()
-            node.leave()
+            node.leave(reason)
         self._join_job(node, leave)
         if _Default.kv is None:
             _Default.kv = self           # kvps.allreduce() uses the process's ring kvstore

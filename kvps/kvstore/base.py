@@ -20,9 +20,11 @@ checks of keys, shapes and dtypes against what init declared, so every kvstore
 reports bad input the same way before anything is sent.
 """
 import abc
+import atexit
 import collections
 import dataclasses
 import logging
+import sys
 import weakref
 
 import numpy as np
@@ -209,6 +211,7 @@ class KVStore(abc.ABC):
         _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
                                            lambda: node.failure is None, leave, self.type)
+        _watch_exit()
 
     # ---- checkpoints (docs/checkpoint.md): the parameter-server kvstores hold state to save ----
     def save(self, path, dump_optimizer=False):
@@ -410,6 +413,28 @@ class KVStore(abc.ABC):
 
 
 _LIVE = weakref.WeakSet()       # kvstores of this process that are members of a job
+_EXIT = {"watched": False, "exiting": False}
+MAX_REASON = 300                # characters of an exception's text that go to the other nodes
+
+
+def _watch_exit():
+    """Note when the interpreter starts to exit. Registered after the first kvstore's
+    weakref.finalize (which registers its own exit hook first), so it runs before the farewells:
+    atexit runs its hooks last registered first."""
+    if not _EXIT["watched"]:
+        _EXIT["watched"] = True
+        atexit.register(_EXIT.__setitem__, "exiting", True)
+
+
+def exit_reason():
+    """Why this process leaves its job, when it is because its script raised: "its script failed:
+    RuntimeError: ..." (the exception Python just printed, sys.last_value), else None. Only at
+    interpreter exit: an interactive session keeps sys.last_value after any error."""
+    exc = getattr(sys, "last_value", None)
+    if not _EXIT["exiting"] or exc is None:
+        return None
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return "its script failed: " + (text if len(text) <= MAX_REASON else text[:MAX_REASON] + "...")
 
 
 def _farewell(returned, pending, healthy, leave, kind):
@@ -424,4 +449,4 @@ def _farewell(returned, pending, healthy, leave, kind):
                     except Exception as exc:     # nobody is left to raise it to: say it loudly
                         log.error("%s kvstore: %s failed: %s", kind, handle.what, exc)
     finally:
-        leave()
+        leave(exit_reason())

@@ -191,11 +191,14 @@ class Node:
             except Exception:
                 log.exception("%s: failure listener %r failed", self.name, listener)
 
-    def leave(self):
-        """Tell the scheduler this worker is done (unless the job is broken), then stop."""
+    def leave(self, reason=None):
+        """Tell the scheduler this worker is done (unless the job is broken), then stop. `reason`:
+        why, when it is not a plain close (kvps.kvstore.base.exit_reason: its script raised); the
+        other nodes' errors quote it."""
         try:
             if self.failure is None:
-                self.request(SCHEDULER, Header(Op.FINALIZE), what="leaving the job",
+                header = Header(Op.FINALIZE, meta={"reason": reason} if reason else None)
+                self.request(SCHEDULER, header, what="leaving the job",
                              timeout=min(self.cfg.timeout, 30)).wait()
         except KVPSError as exc:
             log.warning("%s: leaving the job: %s", self.name, exc)
@@ -265,7 +268,7 @@ class Node:
             self._node_failed(header.meta)
         elif header.op == Op.NODE_LEFT:
             self.left.add(header.meta["node"])
-            self.on_worker_left(header.meta["node"])
+            self.on_worker_left(header.meta["node"], header.meta["reason"])
         elif header.op == Op.WORKERS:
             self.membership = dict(self.membership, workers=header.meta["workers"])
             log.info("%s: %s %s (%s): %d workers", self.name, header.meta["node"], header.meta["change"],
@@ -358,8 +361,9 @@ class Node:
     def on_failure(self, node, failure):
         pass
 
-    def on_worker_left(self, node):
-        pass
+    def on_worker_left(self, node, reason):
+        """Worker `node` left the job on purpose (NODE_LEFT); `reason` says how ("it closed its
+        kvstore", or "its script failed: ...")."""
 
     def on_workers(self, meta):
         """An elastic job's workers changed (WORKERS meta: workers, node, change, reason)."""

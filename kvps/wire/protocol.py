@@ -240,7 +240,9 @@ SCHEMA = {
         "sent": Field(FLOAT, "the node's clock as it sent this (Unix seconds; with KVPS_METRICS_PORT or "
                              "KVPS_TIMELINE), echoed in the ACK for its clock-offset estimate", required=False),
     }),
-    Op.FINALIZE: Message("worker -> H", "this worker is done; answered with ACK, the others get NODE_LEFT"),
+    Op.FINALIZE: Message("worker -> H", "this worker is done; answered with ACK, the others get NODE_LEFT", {
+        "reason": Field(STR, "why, when its script raised: \"its script failed: RuntimeError: ...\"", required=False),
+    }),
     Op.SHUTDOWN: Message("H -> server", "every worker has finished or died: exit now", {
         "failed": Field(STR, "the job failed, and why: the server exits non-zero", required=False),
     }),
@@ -269,7 +271,7 @@ SCHEMA = {
     }),
     Op.NODE_LEFT: Message("H -> all", "a worker left on purpose (FINALIZE); not a failure", {
         "node": Field(STR, "the name of the worker that left"),
-        "reason": Field(STR, "what it did (it closed its kvstore)"),
+        "reason": Field(STR, "what it did: \"it closed its kvstore\", or FINALIZE's reason"),
     }),
     Op.WORKERS: Message("H -> all", "elastic jobs (KVPS_ELASTIC): a worker was removed or joined", {
         "workers": Field(_ADDRESSES, "[host, port, pid] of every worker rank; a vacant rank is [\"\", 0, -1]"),

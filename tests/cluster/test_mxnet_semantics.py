@@ -70,6 +70,33 @@ def test_a_kvstore_never_closed_leaves_the_job_at_once(tmp_path, ending):
     assert elapsed < 30, (elapsed, out)
 
 
+MIDWAY = r'''
+import numpy as np, kvps
+def main():
+    kv = kvps.create("dist_sync")
+    kv.init(0, np.zeros(4, np.float32))
+    out = np.zeros(4, np.float32)
+    for step in range(50):
+        if kv.rank == 1 and step == 3:
+            raise ValueError("a bug in worker 1's loss\nsecond line")
+        kv.push(0, np.ones(4, np.float32))
+        kv.pull(0, out=out)
+main()
+'''
+
+
+def test_a_script_that_raises_midway_is_named_by_the_others_errors(tmp_path):
+    """W1's script raises while W0 waits on a round that W1 will never push to: W0's error (and the
+    scheduler's log) names W1 and the exception it died of, at once; the job fails."""
+    proc, elapsed = _launch(tmp_path, MIDWAY, n=2, s=1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "H: W1 left the job: its script failed: ValueError: a bug in worker 1's loss\\nsecond line" in out, out
+    w0 = [line for line in out.splitlines() if line.startswith("[W0]") and "NodeFailure" in line]
+    assert w0 and "worker W1 has left the job (its script failed: ValueError: a bug in worker 1's loss" in w0[-1], out
+    assert elapsed < 30, (elapsed, out)
+
+
 PUSH_SEMANTICS = r'''
 import json, time, numpy as np, torch, kvps
 kv = kvps.create("dist_sync")
