@@ -48,7 +48,7 @@ VARIABLES = (
     Var("KVPS_SEND_CREDIT", 4 << 20, int, "a worker hands the network at most this many bytes of data messages "
                                           "at a time, so a call with a higher priority overtakes bulk already "
                                           "queued (ByteScheduler's credit; 0: send in call order, priority ignored)"),
-    Var("KVPS_LANE_BYTES", 1 << 16, int, "a call of at most this many payload bytes (not async_op=True) is sent and "
+    Var("KVPS_LANE_BYTES", 1 << 18, int, "a call of at most this many payload bytes (not async_op=True) is sent and "
                                          "answered on the calling thread's own connections, without the hand-offs "
                                          "to the I/O thread (kvps/wire/lane.py); 0: every call goes through the "
                                          "I/O thread"),

@@ -162,7 +162,7 @@ class DistKVStore(KVStore):
                 header.meta["pull"] = self._pull_codec
         keys = {e.key for _, header, _, _ in items for e in header.keys}
         if lane is _AUTO:
-            lane = self._route(op, keys, messages.nbytes, bool(messages.regions), async_op)
+            lane = self._route(op, keys, messages.nbytes, async_op)
         if self._node.telemetry is not None and items:      # the call's latency and timeline events
             items = self._node.telemetry.watch_call(op, items, self._node.name, int(priority))
         if lane is not None:
@@ -180,13 +180,12 @@ class DistKVStore(KVStore):
             return handle
         return _finish(handle)
 
-    def _route(self, op, keys, nbytes, shared, async_op):
-        """The Lane a call goes on (kvps/wire/lane.py), or None for the I/O thread: a small call that
-        returns complete or early (not async_op=True, whose handle the caller may only poll), with
-        nothing in shared memory, unless one of its keys still waits on the I/O path. Waits for what
-        must be answered first (kvps/kvstore/order.py)."""
-        small = self._lanes is not None and op in LANE_OPS and async_op is not True and not shared and \
-            nbytes <= self.cfg.lane_bytes
+    def _route(self, op, keys, nbytes, async_op):
+        """The Lane a call goes on (kvps/wire/lane.py), or None for the I/O thread: a small call (its
+        values in the message or in shared memory) that returns complete or early (not
+        async_op=True, whose handle the caller may only poll), unless one of its keys still waits on
+        the I/O path. Waits for what must be answered first (kvps/kvstore/order.py)."""
+        small = self._lanes is not None and op in LANE_OPS and async_op is not True and nbytes <= self.cfg.lane_bytes
         return self._order.route(keys, self._lanes.mine() if small else None)
 
     def _server_address(self, peer):
@@ -401,7 +400,7 @@ class DistKVStore(KVStore):
         # The caller may change its arrays once push returns: their values go into shared memory, or
         # on a lane, which sends (copies) them before push returns, or into private copies that zmq
         # sends from.
-        lane = self._route(op, keys, sum(a.nbytes for _, a in items), bool(shared), None)
+        lane = self._route(op, keys, sum(a.nbytes for _, a in items), None)
         if lane is None:
             items = [(info, array if info.key in shared else self._private(info, array)) for info, array in items]
         messages = self._with_values(items, self._codec, shared, replies=stash is not None)

@@ -1,7 +1,8 @@
 """Lanes: a calling thread's own connections to the servers, for small calls (the fast path).
 
-A small call (at most KVPS_LANE_BYTES of payload in all, nothing in shared memory) need not go
-through the node's I/O thread. Its thread sends the requests itself, on a DEALER of its own to
+A small call (at most KVPS_LANE_BYTES of payload in all, 256 KB by default, whether its values
+travel in the message or through shared memory with a co-located server) need not go through the
+node's I/O thread. Its thread sends the requests itself, on a DEALER of its own to
 each server, and reads the replies itself when it waits. That saves the two hand-offs of the I/O
 path (wake the I/O thread to send; wake the caller when the reply is in), which are most of what
 a 1 KB round costs in Python, and leaves the I/O thread alone with heartbeats and big transfers.
@@ -119,8 +120,8 @@ class Lane:
 
     def request_many(self, items, what, timeout, keep=()):
         """Send requests [(peer, header, payloads, on_reply)] now, on this thread; returns a LaneHandle.
-        The payloads are copied as they are sent (they are small), so the caller may change them at
-        once. on_reply(header, payloads) runs on the thread that reads the reply."""
+        The payloads are copied as they are sent (at most KVPS_LANE_BYTES), so the caller may change
+        them at once. on_reply(header, payloads) runs on the thread that reads the reply."""
         node = self._node
         handle = LaneHandle(what, timeout, keep, self)
         telemetry = node.telemetry
@@ -141,7 +142,7 @@ class Lane:
                         telemetry.sent(peer, header.op, frames)
                     self._pending[header.id] = (handle, peer, on_reply)
                     handle._expect(header.id, peer)
-                    send_message(sock, frames)
+                    send_message(sock, frames, copy=True)
                     self.sent += 1
                     if telemetry is not None and telemetry.timeline is not None:
                         telemetry.handed(peer, header.id)

@@ -704,12 +704,13 @@ def recv_message(sock):
     return frames
 
 
-def send_message(sock, frames):
-    """Send a multipart message: small frames are copied (pyzmq's fast path), big ones are not."""
+def send_message(sock, frames, copy=False):
+    """Send a multipart message: small frames are copied (pyzmq's fast path), big ones are not,
+    unless `copy` (every frame copied: the caller may change them once this returns)."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         flags = SNDMORE if i < last else 0
-        if isinstance(frame, bytes) or memoryview(frame).nbytes < COPY_BYTES:
+        if copy or isinstance(frame, bytes) or memoryview(frame).nbytes < COPY_BYTES:
             sock.send(frame, flags, copy=True)
         else:
             sock.send(frame, flags, copy=False)

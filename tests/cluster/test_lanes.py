@@ -1,5 +1,5 @@
-"""Lanes (kvps/wire/lane.py): small calls go on the calling thread's own connections, big ones
-through the I/O thread, and a key's calls keep their order whichever way each goes. Results are the
+"""Lanes (kvps/wire/lane.py): small calls (up to 256 KB, in the message or in shared memory) go on
+the calling thread's own connections, big ones through the I/O thread, and a key's calls keep their order whichever way each goes. Results are the
 same with lanes off (KVPS_LANE_BYTES=0); a wait on a lane ends with the job's failure, or a timeout
 naming the server, like any other wait; each thread has its own lane."""
 import time
@@ -56,6 +56,41 @@ def test_a_keys_calls_keep_their_order_whichever_way_they_go(cluster, lane_bytes
         else:
             # per step: the pushpull of "m", the push of "s" and the pull of "s" (one server each)
             assert line["lanes"] >= 4 * 3, line
+    assert c.wait_daemons() == [0, 0, 0]
+
+
+# A 100 KB key: on a lane (at most KVPS_LANE_BYTES, 256 KB), its values in shared memory with the
+# co-located servers or, with KVPS_SHM=0, in the message (copied as it is sent: over 64 KB zmq would
+# otherwise send from the caller's array, which it overwrites as soon as push returns).
+MID = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r, W, n = kv.rank, kv.num_workers, 25600
+kv.init("mid", np.zeros(n, np.float32))
+wrong = []
+for step in range(1, 21):
+    tot = sum((w + 1) * step for w in range(W))
+    g = np.full(n, (r + 1) * step, np.float32)
+    kv.push("mid", g)
+    g[:] = -1000                                # the pushed values must not change
+    out = np.zeros(n, np.float32)
+    kv.pull("mid", out=out)
+    if out.min() != tot or out.max() != tot:
+        wrong.append([step, float(out.min()), float(out.max()), tot])
+    kv.pushpull("mid", np.full(n, (r + 1) * step, np.float32), out=out)
+    if out.min() != tot or out.max() != tot:
+        wrong.append([step, float(out.min()), float(out.max()), tot])
+print(json.dumps({"wrong": wrong, "lanes": kv._lanes.sent()}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_mid_sized_key_goes_on_a_lane_with_or_without_shared_memory(cluster, shm):
+    c = cluster(2, 2, env={"KVPS_SHM": shm})
+    for (line,) in c.run_workers(MID):
+        assert line["wrong"] == [], line
+        # every step: the push (which brings the pull its reply: pull-ahead) and the pushpull
+        assert line["lanes"] >= 2 * 20, line
     assert c.wait_daemons() == [0, 0, 0]
 
 
