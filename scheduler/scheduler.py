@@ -457,12 +457,13 @@ class Scheduler:
         self.van.reply(member.routing_id, Header(Op.ACK, header.id, "H"))
         if member.state == "alive":
             member.state = "left"
-            reason = header.meta.get("reason") or "it closed its kvstore"
-            if header.meta.get("reason"):
+            reason = header.meta.get("reason")         # a script that raised (kvps.kvstore.base.exit_reason)
+            if reason:
                 log.warning("H: %s left the job: %s", member.name, escape(reason))
             else:
                 log.info("H: %s finished", member.name)
-            self._tell_all(Header(Op.NODE_LEFT, 0, "H", meta={"node": member.name, "reason": reason}))
+            self._tell_all(Header(Op.NODE_LEFT, 0, "H", meta={"node": member.name,
+                                                               "reason": reason or "it closed its kvstore"}))
             for group in GROUPS:
                 self._release(group)
         self._maybe_end()

@@ -32,6 +32,7 @@ import numpy as np
 from kvps import kernels
 from kvps.arrays import Out, as_numpy, describe
 from kvps.errors import KVKeyError, KVPSError
+from kvps.wire.throttle import escape
 
 log = logging.getLogger("kvps")
 
@@ -433,8 +434,8 @@ def exit_reason():
     exc = getattr(sys, "last_value", None)
     if not _EXIT["exiting"] or exc is None:
         return None
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return "its script failed: " + (text if len(text) <= MAX_REASON else text[:MAX_REASON] + "...")
+    return "its script failed: " + escape(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                                          MAX_REASON)
 
 
 def _farewell(returned, pending, healthy, leave, kind):

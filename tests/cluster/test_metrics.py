@@ -12,7 +12,6 @@ import subprocess
 import urllib.parse
 import urllib.request
 
-
 from kvps.metrics import catalog
 from tests.harness import Cluster, program_or_skip, wait_for
 

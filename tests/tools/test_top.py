@@ -8,7 +8,6 @@ import signal
 import subprocess
 import time
 
-
 from kvps.tools.top import main as top_main
 from tests.harness import FAST_ENV, PY, program_or_skip, run_command, wait_for
 
