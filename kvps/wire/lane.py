@@ -34,7 +34,7 @@ from kvps.errors import KVPSError, KVTimeoutError, ProtocolError, remote_error
 from kvps.wire import protocol
 from kvps.wire.protocol import Op
 from kvps.wire.requests import Handle
-from kvps.wire.transport import recv_message, send_message
+from kvps.wire.transport import recv_message, recv_ready, send_message
 
 SLICE = 0.05            # seconds a lane waits on its sockets before it checks for a failure or a stop
 BATCH = 256             # replies read from one socket at a time
@@ -173,7 +173,7 @@ class Lane:
                     self._fail(failure or self._stopped())
                     break
                 for sock, _ in self._poller.poll(int(1000 * min(left, SLICE)) + 1):
-                    self._drain(sock)
+                    self._drain(sock, ready=True)
         return True
 
     def poll(self):
@@ -187,13 +187,16 @@ class Lane:
         finally:
             self._lock.release()
 
-    def _drain(self, sock):
-        """Hand on the replies waiting on one socket (with the lock held). A reply that does not
-        decode fails the request it names, if it can be read, else every request to that peer."""
+    def _drain(self, sock, ready=False):
+        """Hand on the replies waiting on one socket (with the lock held; `ready`: poll() said it is
+        readable). A reply that does not decode fails the request it names, if it can be read, else
+        every request to that peer."""
         peer = self._peer_of[sock]
         telemetry = self._node.telemetry
+        receive = recv_ready if ready else recv_message
         for _ in range(BATCH):
-            frames = recv_message(sock)
+            frames = receive(sock)
+            receive = recv_message
             if frames is None:
                 return
             try:

@@ -29,6 +29,7 @@ Payloads never go inside msgpack, and nothing received is ever unpickled. docs/w
 """
 import dataclasses
 import enum
+import operator
 import reprlib
 
 import msgpack
@@ -440,11 +441,12 @@ class Entry(tuple):
     def __new__(cls, key, part, dtype, shape, nbytes):
         return tuple.__new__(cls, (key, part, dtype, tuple(shape), nbytes))
 
-    key = property(lambda self: self[0])
-    part = property(lambda self: self[1])
-    dtype = property(lambda self: self[2])
-    shape = property(lambda self: self[3])
-    nbytes = property(lambda self: self[4])
+    # itemgetter, not a lambda: read on every request, and a C call costs no Python frame
+    key = property(operator.itemgetter(0))
+    part = property(operator.itemgetter(1))
+    dtype = property(operator.itemgetter(2))
+    shape = property(operator.itemgetter(3))
+    nbytes = property(operator.itemgetter(4))
 
     @classmethod
     def of(cls, key, part, array):
