@@ -34,7 +34,7 @@ from kvps.errors import KVPSError, KVTimeoutError, ProtocolError, remote_error
 from kvps.wire import protocol
 from kvps.wire.protocol import Op
 from kvps.wire.requests import Handle
-from kvps.wire.transport import recv_message, recv_ready, send_message
+from kvps.wire.transport import recv_message, send_message
 
 SLICE = 0.05            # seconds a lane waits on its sockets before it checks for a failure or a stop
 BATCH = 256             # replies read from one socket at a time
@@ -193,10 +193,9 @@ class Lane:
         every request to that peer."""
         peer = self._peer_of[sock]
         telemetry = self._node.telemetry
-        receive = recv_ready if ready else recv_message
         for _ in range(BATCH):
-            frames = receive(sock)
-            receive = recv_message
+            frames = recv_message(sock, ready)
+            ready = False
             if frames is None:
                 return
             try:

@@ -527,11 +527,11 @@ class Van:
         at all (a RecursionError, a TypeError, ...), goes to _bad and the loop goes on. Called
         when poll() said the socket is readable."""
         from_router = sock is self._router
-        receive = recv_ready            # poll() said it is readable
+        ready = True                    # poll() said it is readable
         for _ in range(256):   # bounded so one busy peer cannot starve the rest
             try:
-                frames = receive(sock)
-                receive = recv_message
+                frames = recv_message(sock, ready)
+                ready = False
                 if frames is None:
                     return
             except zmq.ZMQError as exc:
@@ -692,27 +692,19 @@ class Unread:
         self._bytes[client] = self._bytes.get(client, 0) + nbytes
 
 
-def recv_message(sock):
-    """The next multipart message waiting on `sock`, as zmq.Frames, or None when none is. (Asking
-    EVENTS costs a third of the zmq.Again a failed recv raises. pyzmq's recv_multipart asks the socket
-    for RCVMORE after every frame, an option lookup that costs more than a small frame: a Frame knows
-    whether more follow.)"""
-    if not sock.getsockopt(EVENTS) & POLLIN:
+def recv_message(sock, ready=False):
+    """The next multipart message waiting on `sock`, as zmq.Frames, or None when none is. `ready`:
+    poll() just said the socket is readable, so the first receive is tried without asking EVENTS
+    (pyzmq turns that option into an enum each time: about 1 us and two Python calls); otherwise
+    EVENTS is asked first (it costs a third of the zmq.Again a failed receive raises). pyzmq's
+    recv_multipart asks the socket for RCVMORE after every frame, an option lookup that costs more
+    than a small frame: a Frame knows whether more follow."""
+    if not ready and not sock.getsockopt(EVENTS) & POLLIN:
         return None
-    return _recv_rest(sock, sock.recv(NOBLOCK, copy=False))
-
-
-def recv_ready(sock):
-    """recv_message for a socket that poll() just said is readable: the first receive needs no
-    EVENTS lookup (pyzmq turns the option into an enum each time, about 1 us and two Python calls)."""
     try:
         frame = sock.recv(NOBLOCK, copy=False)
-    except zmq.Again:
+    except zmq.Again:               # poll()'s answer was stale
         return None
-    return _recv_rest(sock, frame)
-
-
-def _recv_rest(sock, frame):
     frames = [frame]
     while frame.more:
         frame = sock.recv(0, copy=False)
