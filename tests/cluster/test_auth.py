@@ -16,6 +16,7 @@ from kvps.wire.keys import job_names, make_job_keys
 from kvps.wire.protocol import Entry, Header, Op
 
 LISTEN = 1.5            # seconds an intruder listens for any answer
+SEND_TIMEOUT = 5.0      # seconds an intruder's send may wait for a connection
 
 
 class Intruder:
@@ -24,6 +25,9 @@ class Intruder:
     def __init__(self, ctx, port, server_key=None, client=None):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A refused handshake can leave the socket without a connection for a while: then a send
+        # waits for one. Bounded, so the test fails (a member's requests unanswered) and never hangs.
+        self.sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT * 1000))
         if server_key is not None:
             self.sock.curve_serverkey = server_key
             self.sock.curve_publickey, self.sock.curve_secretkey = client
@@ -33,18 +37,22 @@ class Intruder:
         """Send every request a peer could abuse, each claiming to come from `src`."""
         bad = np.full(8, 1000.0, np.float32)
         register = {"host": "127.0.0.1", "port": 1, "pid": 4242, "rank": 0}
-        for header, payloads in (
-                (Header(Op.REGISTER, 1, src, meta=dict(register, role="server")), ()),
-                (Header(Op.REGISTER, 2, src, meta=dict(register, role="worker", mode="sync")), ()),
-                (Header(Op.INIT, 3, src, [Entry.of("w", 0, bad)]), (bad.tobytes(),)),
-                (Header(Op.PUSH, 4, src, [Entry.of("w", 0, bad)]), (bad.tobytes(),)),
-                (Header(Op.PULL, 5, src, [Entry.bare("w", 0, 0, (8,))]), ()),
-                (Header(Op.SET_OPTIMIZER, 6, src, meta={"generation": 99, "spec": {
-                    "name": "sgd", "params": {"learning_rate": 1000.0}}}), ()),
-                (Header(Op.JOIN, 7, src), ()),
-                (Header(Op.BARRIER, 8, src, meta={"group": "workers"}), ()),
-                (Header(Op.FINALIZE, 9, src), ())):
-            self.sock.send_multipart([header.encode(), *payloads])
+        requests = (
+            (Header(Op.REGISTER, 1, src, meta=dict(register, role="server")), ()),
+            (Header(Op.REGISTER, 2, src, meta=dict(register, role="worker", mode="sync")), ()),
+            (Header(Op.INIT, 3, src, [Entry.of("w", 0, bad)]), (bad.tobytes(),)),
+            (Header(Op.PUSH, 4, src, [Entry.of("w", 0, bad)]), (bad.tobytes(),)),
+            (Header(Op.PULL, 5, src, [Entry.bare("w", 0, 0, (8,))]), ()),
+            (Header(Op.SET_OPTIMIZER, 6, src, meta={"generation": 99, "spec": {
+                "name": "sgd", "params": {"learning_rate": 1000.0}}}), ()),
+            (Header(Op.JOIN, 7, src), ()),
+            (Header(Op.BARRIER, 8, src, meta={"group": "workers"}), ()),
+            (Header(Op.FINALIZE, 9, src), ()))
+        for header, payloads in requests:
+            try:
+                self.sock.send_multipart([header.encode(), *payloads])
+            except zmq.Again:       # no connection within SEND_TIMEOUT: the rest would reach nobody either
+                return
 
     def replies(self):
         out = []
