@@ -4,7 +4,9 @@ Each worker sends to its right neighbour and receives from its left one. A buffe
 into W segments; W-1 reduce-scatter steps leave each worker with one fully summed segment,
 and W-1 all-gather steps hand every segment round. Segments travel in chunks of
 KVPS_RING_CHUNK_BYTES and each chunk is forwarded as soon as it is reduced, so sending,
-receiving and summing overlap along the ring. Sums run through kvps.kernels.
+receiving and summing overlap along the ring. Sums run through kvps.kernels. Between neighbours
+on one host a chunk of a buffer made by Ring.buffer() goes through shared memory instead: the
+neighbour sums or copies it straight out of the sender's buffer (kvps/collective/shared.py).
 
 Every worker must make the same collective calls in the same order (as with Horovod and
 torch.distributed): collectives are numbered, and a worker waits for its neighbour's chunks
@@ -22,6 +24,7 @@ import time
 import numpy as np
 
 from kvps import kernels
+from kvps.collective.shared import Shared
 from kvps.errors import KVPSError, KVTimeoutError, ProtocolError
 from kvps.wire.protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
@@ -49,25 +52,41 @@ class Ring:
         self.size = len(node.membership["workers"])
         self.right = f"W{(self.rank + 1) % self.size}"
         self.left = f"W{(self.rank - 1) % self.size}"
-        self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame, n, epoch)
+        self._inbox = {}                     # (seq, phase, step, chunk) -> (entry, frame, n, epoch, at)
+        self._read = set()                   # collectives whose placed chunks the right neighbour has read
         self._cond = threading.Condition()   # notified by every event a wait can end on
         self._ended = None                   # what ends every wait: the job's NodeFailure, or close()
         self._next = 0                       # number of the next collective
         self.epoch = 0                       # joins this worker has completed (see serve)
+        self.shared = Shared.of(node, cfg, self.rank, self.size)     # None: every chunk over TCP
         node.on_peer_message(self._on_message)
         node.add_failure_listener(self._end)
 
     # ---- events (I/O thread, zmq's threads, or a closing thread) ----
     def _on_message(self, header, payloads):
         meta = header.meta
+        phase = meta.get("phase")
+        if phase in ("attach", "attached"):
+            if self.shared is None or not self.shared.control(header.src, meta):
+                log.warning("%s: unexpected ring message %r dropped", self.node.name, header)
+            return
         try:
+            if phase == "done":         # the right neighbour has read what we placed for collective seq
+                seq = int(meta["seq"])
+                with self._cond:
+                    if len(self._read) < 1024:
+                        self._read.add(seq)
+                    self._cond.notify_all()
+                return
             slot = (meta["seq"], meta["phase"], meta["step"], meta["chunk"])
-            entry, frame, n, epoch = header.keys[0], payloads[0], int(meta["n"]), int(meta.get("epoch", 0))
+            at = meta.get("at")
+            value = (header.keys[0], payloads[0] if at is None else None, int(meta["n"]),
+                     int(meta.get("epoch", 0)), at)
         except (KeyError, IndexError, TypeError, ValueError):
             log.warning("%s: malformed ring message %r dropped", self.node.name, header)
             return
         with self._cond:
-            self._inbox[slot] = (entry, frame, n, epoch)
+            self._inbox[slot] = value
             self._cond.notify_all()
 
     def _sent(self, sent):
@@ -107,8 +126,8 @@ class Ring:
             self._wait(lambda: slot in self._inbox, deadline,
                        lambda: f"{what}: collective {seq}: no data from {self.left} for "
                                f"{PHASES[phase]} step {step} chunk {chunk}")
-            entry, frame, _, _ = self._inbox.pop(slot)
-            return entry, frame
+            entry, frame, _, _, at = self._inbox.pop(slot)
+            return entry, frame, at
 
     def _settle(self, sent, seq, what, deadline):
         """Wait until zmq no longer reads a chunk sent earlier (before it changes, or the call ends)."""
@@ -119,16 +138,37 @@ class Ring:
                        lambda: f"{what}: collective {seq}: {self.node.name} had not finished sending "
                                f"{PHASES[sent.phase]} step {sent.step} chunk {sent.chunk} to {self.right}")
 
-    def _send(self, seq, n, phase, step, chunk, piece):
+    def _send(self, seq, n, phase, step, chunk, piece, at=None):
         """Send a chunk of the buffer without copying it; returns its _Sent, done once zmq has let go
-        of the memory (the chunk must not change before that)."""
-        header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)],
-                        meta={"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk,
-                              "epoch": self.epoch})
+        of the memory (the chunk must not change before that). `at`: its place in shared memory,
+        which goes instead of the bytes (done at once: see kvps/collective/shared.py)."""
+        meta = {"seq": seq, "n": n, "phase": phase, "step": step, "chunk": chunk, "epoch": self.epoch}
         sent = _Sent(phase, step, chunk)
+        if at is not None:
+            meta["at"] = at
+            sent.done = True
+            entry = Entry.bare(seq, chunk, dtype_code(piece.dtype), piece.shape)
+            self.node.send_to_peer(self.right, Header(Op.RING, keys=[entry], meta=meta))
+            return sent
+        header = Header(Op.RING, keys=[Entry.of(seq, chunk, piece)], meta=meta)
         self.node.send_to_peer(self.right, header, [piece.view(np.uint8)] if piece.nbytes else [],
                                on_sent=lambda: self._sent(sent))
         return sent
+
+    def _done(self, seq, what, deadline):
+        """Wait for the right neighbour's word that it has read what we placed for collective seq."""
+        with self._cond:
+            self._wait(lambda: seq in self._read, deadline,
+                       lambda: f"{what}: collective {seq}: {self.right} did not say it had read the "
+                               f"chunks placed in shared memory")
+            self._read.discard(seq)
+
+    def buffer(self, count, dtype):
+        """A 1-D array for collectives that is kept from call to call: in shared memory when the ring
+        can use it (its chunks then go by place), else private."""
+        if self.shared is not None:
+            return self.shared.buffer(count, dtype)
+        return np.empty(count, dtype)
 
     # ---- collectives ----
     def allreduce(self, flat, what, average=False):
@@ -161,7 +201,7 @@ class Ring:
             found = started()
         if found is None:
             return False
-        entry, _, n, _ = found
+        entry, _, n, _, _ = found
         self._ring(np.zeros(n, numpy_dtype(entry.dtype)), what, self.size, self.rank)
         return True
 
@@ -185,9 +225,19 @@ class Ring:
         deadline = time.monotonic() + self.cfg.timeout
         code = dtype_code(flat.dtype)
         sending = {}                     # chunk start -> _Sent of the send that may still read it
+        shared = self.shared
+        placed = read = 0                # chunks sent by place, and read by place
+        if shared is not None:
+            shared.map_waiting()
 
         def send(phase, step, c, a, b):
-            sending[a] = self._send(seq, n, phase, step, c, flat[a:b])
+            nonlocal placed
+            at = shared.place(flat) if shared is not None else None
+            if at is not None:
+                at = [at[0], at[1] + a * flat.itemsize]
+                placed += 1
+                shared.placed += 1
+            sending[a] = self._send(seq, n, phase, step, c, flat[a:b], at)
 
         def settle(a):
             sent = sending.pop(a, None)
@@ -202,15 +252,22 @@ class Ring:
         chunk_events = telemetry is not None and telemetry.timeline is not None
 
         def take(phase, step, c, a, b):
+            nonlocal read
             if chunk_events:
                 started = time.time()
-            entry, frame = self._receive(seq, phase, step, c, what, deadline)
+            entry, frame, at = self._receive(seq, phase, step, c, what, deadline)
             if chunk_events:
                 telemetry.ring_chunk(seq, phase, step, c, started, time.time())
             if entry.dtype != code or entry.shape != (b - a,):
                 raise ProtocolError(f"{what}: {self.left} sent {entry.shape} of dtype {entry.dtype} for "
                                     f"{phase} step {step} chunk {c}; expected ({b - a},) of {flat.dtype} "
                                     f"(do all workers make the same calls in the same order?)")
+            if at is not None:
+                if shared is None:
+                    raise ProtocolError(f"{what}: {self.left} placed a chunk in shared memory, which this "
+                                        f"worker does not share")
+                read += 1
+                return shared.view(at, (b - a) * flat.itemsize).view(flat.dtype)
             return as_array(frame, entry)
 
         # Each chunk is written at most once in each phase and sent after it is written; a write
@@ -236,6 +293,10 @@ class Ring:
                     send("ag", step + 1, c, a, b)
         for a in list(sending):                            # the caller may change the buffer next
             settle(a)
+        if read:                    # the left neighbour may change its buffer once we say so
+            self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "done", "seq": seq}))
+        if placed:
+            self._done(seq, what, deadline)
         if telemetry is not None:
             telemetry.ring_phase(seq, "all_gather", gather_start, time.time(), flat.nbytes)
 

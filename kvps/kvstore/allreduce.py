@@ -70,7 +70,7 @@ class RingKVStore(KVStore):
                 name = (tuple(keys[i] for i in group), dtype.str)
                 buf = self._buffers.get(name)
                 if buf is None or buf.size != total:
-                    buf = self._buffers[name] = np.empty(total, dtype)
+                    buf = self._buffers[name] = self._ring.buffer(total, dtype)     # shared memory if it can
             offset = 0
             for i in group:
                 size = arrays[i].size

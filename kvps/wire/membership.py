@@ -417,6 +417,19 @@ class Worker(Node):
         header.src = self.name
         self.van.send(name, header, payloads, on_sent)
 
+    def connect_worker(self, rank):
+        """Also connect to worker `rank` (the ring's left neighbour, which the ring's shared memory
+        answers: kvps/collective/shared.py), so send_to_peer reaches it; False if its rank is vacant."""
+        name = f"W{rank}"
+        if name in self._peers:
+            return True
+        host, port, pid = self.membership["workers"][rank]
+        if pid < 0:
+            return False
+        self.van.connect(name, host, port)
+        self._peers.add(name)
+        return True
+
     def on_membership(self, meta):
         self.van.name = self.name       # transport errors and logs name the worker from now on
         for rank, (host, port, pid) in enumerate(meta["servers"]):

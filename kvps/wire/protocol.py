@@ -391,13 +391,23 @@ SCHEMA = {
         "what": Field(STR, "all (values, optimizer state, counters) or optimizer (state and step counts only)"),
         **_REPLICATED,
     }),
-    Op.RING: Message("worker -> worker", "one chunk of a ring all-reduce step, sent to the right neighbour", {
-        "seq": Field(INT, "the collective's number (every worker runs them in the same order)"),
-        "n": Field(INT, "the collective's buffer size in elements"),
-        "phase": Field(STR, "rs (reduce-scatter) or ag (all-gather)"),
-        "step": Field(INT, "the step within the phase"),
-        "chunk": Field(INT, "the chunk's index within its segment"),
-        "epoch": Field(INT, "joins the sender has completed (a collective of a later epoch waits)"),
+    Op.RING: Message("worker -> worker", "one chunk of a ring all-reduce step, sent to the right neighbour; "
+                                         "between neighbours on one host also the shared-memory handshake "
+                                         "(kvps/collective/shared.py)", {
+        "seq": Field(INT, "the collective's number (every worker runs them in the same order)", required=False),
+        "n": Field(INT, "the collective's buffer size in elements", required=False),
+        "phase": Field(STR, "rs (reduce-scatter) or ag (all-gather); attach (map my segment), attached (the "
+                            "answer, to the left neighbour), done (the left neighbour's placed chunks of "
+                            "collective seq are read)"),
+        "step": Field(INT, "the step within the phase", required=False),
+        "chunk": Field(INT, "the chunk's index within its segment", required=False),
+        "epoch": Field(INT, "joins the sender has completed (a collective of a later epoch waits)", required=False),
+        "at": Field(Tuple((INT, INT)), "[segment, offset]: the chunk is in the sender's shared segment, not in "
+                                       "the message", required=False),
+        "segment": Field(INT, "attach, attached: the sender's segment id", required=False),
+        "fd": Field(INT, "attach: the segment's descriptor in the sender (opened through /proc)", required=False),
+        "nonce": Field(BYTES, "attach: the bytes the segment starts with", required=False),
+        "refused": Field(STR, "attached: why the segment could not be mapped (it stays on TCP)", required=False),
     }),
 }
 

@@ -63,7 +63,7 @@ class Region:
         return self.view[:count * np.dtype(dtype).itemsize].view(dtype)
 
 
-class _Segment:
+class Segment:
     def __init__(self, segment_id, nbytes):
         self.id = segment_id
         self.size = nbytes
@@ -134,7 +134,7 @@ class Arena:
         if len(self._segments) >= MAX_SEGMENTS:
             return None
         try:
-            segment = _Segment(len(self._segments), max(self._segment_bytes, nbytes + 64))
+            segment = Segment(len(self._segments), max(self._segment_bytes, nbytes + 64))
         except OSError as exc:
             self.refused = f"cannot make a memfd segment: {exc}"
             log.info("shared memory with %s off: %s", self.server, self.refused)
