@@ -37,7 +37,7 @@ import numpy as np
 
 from kvps import kernels
 from kvps.ps import compression
-from kvps.errors import KVValueError, NodeFailure, ProtocolError, describe, error_kind
+from kvps.errors import KVPSError, KVValueError, NodeFailure, ProtocolError, describe, error_kind
 from kvps.wire.membership import Node, advertised_host, parse_name
 from kvps.wire.protocol import (MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
                                 numpy_dtype, quote)
@@ -192,6 +192,18 @@ class Server(Node):
 
     # ---- node hooks (I/O thread) ----
     def on_membership(self, meta):
+        if meta.get("mode") == "allreduce":     # a ring job (kvps launch starts servers unless -s 0)
+            self.refusal = KVPSError(f"{self.name} has nothing to serve: the workers run a ring all-reduce "
+                                     f"('allreduce' kvstore)")
+            log.info("%s", self.refusal)
+        else:
+            self._make_store(meta)
+        # Workers get the table at the same moment we do and may already have sent requests.
+        early, self.early = self.early, []
+        for request in early:
+            self.on_client(*request)
+
+    def _make_store(self, meta):
         try:
             if self.cfg.replicas:
                 if self.cfg.replicas >= len(meta["servers"]):
@@ -211,10 +223,6 @@ class Server(Node):
             # clear message, and the scheduler still ends the job when they leave.
             self.refusal = type(exc)(f"{self.name} cannot serve this job: {describe(exc)}")
             log.error("%s", self.refusal)
-        # Workers get the table at the same moment we do and may already have sent requests.
-        early, self.early = self.early, []
-        for request in early:
-            self.on_client(*request)
 
     def _on_message(self, source, header, payloads):
         # The replies of the next servers of our chains come on our DEALERs to them.
