@@ -70,13 +70,32 @@ except kvps.KVPSError as e:
 '''
 
 
-def test_dead_peer_fails_the_ring_loudly(cluster):
+# The kvstore's kept buffers: on one host their chunks go through shared memory (kvps/collective/shared.py)
+DEAD_PLACED = r'''
+import json, sys, numpy as np, kvps
+kv = kvps.create("allreduce")
+x = [np.ones(300_000, np.float32), np.ones(5, np.float32)]
+kv.init(["a", "b"], x)
+try:
+    while True:
+        kv.pushpull(["a", "b"], x)
+        if kv._ring.shared.placed:
+            print(json.dumps({"ready": True, "placed": kv._ring.shared.placed}), flush=True)
+except kvps.KVPSError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
+    sys.exit(3)
+'''
+
+
+@pytest.mark.parametrize("script", ["fresh buffers over TCP", "kept buffers by place"])
+def test_dead_peer_fails_the_ring_loudly(cluster, script):
     import time
-    c = cluster(3, 0)
-    procs = c.spawn_workers(DEAD)
+    c = cluster(3, 0, env={"KVPS_RING_CHUNK_BYTES": "65536"})
+    procs = c.spawn_workers(DEAD if script.startswith("fresh") else DEAD_PLACED)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(c.output(f"W{i}") for i in range(3)):
         time.sleep(0.05)
+    assert all(c.output(f"W{i}")[0].get("ready") for i in range(3)), c.logs()
     time.sleep(0.3)
     c.proc("W2").kill()
     c.wait(procs[:2], 20)
