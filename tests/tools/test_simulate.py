@@ -130,6 +130,22 @@ def test_fan_in_efficiency_slows_a_links_many_senders():
     assert got == pytest.approx(2 * theory(sum(grads), 1e9, 4, 1).ps, rel=0.03)
 
 
+def test_a_token_bucket_empties_over_back_to_back_steps_as_the_benchmark_runs_them():
+    # One worker, one server, no overhead: a 100 KB step through buckets of 400 KB on 1 Gbit/s links.
+    c, grads = costs_mod.zero(), [100_000]
+    at_rate = 8 * sum(grads) / 1e9
+
+    def step_s(warmup, timed):
+        return predict(Setup("ps", 1, 1, rate=1e9, burst_bytes=400_000, warmup=warmup, timed=timed),
+                       grads, c)["step_s"]
+    assert step_s(0, 1) == pytest.approx(0.0, abs=1e-9)     # a full bucket lets the step through at once
+    steady = step_s(30, 3)                                  # every direction carries 100 KB a step
+    assert at_rate * 0.99 <= steady <= 2 * at_rate * 1.01
+    assert step_s(1, 3) <= steady                           # the benchmark's sequence: partly full
+    with pytest.raises(ConfigError, match="timed=0"):
+        predict(Setup("ps", 1, 1, rate=1e9, burst_bytes=400_000, timed=0), grads, c)
+
+
 def test_sharding_spreads_bytes_evenly_like_kvps():
     grads = models.tensors("resnet50")
     pieces = step.shard(grads, 4, 1 << 20, 4 << 20)

@@ -50,6 +50,7 @@ linearly with the processes beyond the shared cores (per_call_crowded_s).
 """
 import dataclasses
 import math
+import statistics
 
 from kvps.errors import ConfigError
 from kvps.ps.sharding import stable_hash
@@ -77,6 +78,8 @@ class Setup:
     chunk_bytes: int = 4 * MB     # ring: a segment travels in pieces of at most this (KVPS_RING_CHUNK_BYTES)
     compute_s: float = 0.0        # forward + backward seconds of one worker's step
     burst_bytes: int = None       # a token bucket on every link direction (tbf, as `kvps emulate` sets one)
+    warmup: int = 1               # with burst_bytes: untimed steps before the timed ones, back to back
+    timed: int = 1                # ... and timed steps, whose median is the step (as the benchmarks time)
     key0: int = None              # tensor i is key key0 + i, placed by its hash as kvps does (None: in turn)
 
     def check(self):
@@ -93,6 +96,8 @@ class Setup:
         for name in ("partition_bytes", "message_bytes", "split_bytes", "fusion_bytes", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be at least 1")
+        if self.warmup < 0 or self.timed < 1:
+            raise ConfigError(f"warmup={self.warmup!r} and timed={self.timed!r} steps: need warmup >= 0, timed >= 1")
         if not 0 < self.compression <= 1:
             raise ConfigError(f"compression {self.compression!r} is not a ratio in (0, 1]")
 
@@ -164,16 +169,24 @@ def predict(setup, tensors, costs):
     pool = Resource(sim, "cpus", capacity=costs.host_cores) if costs.host_cores else None
     build = _ring if setup.system == "ring" else _ps
     links, t0 = {}, 0.0
-    if setup.burst_bytes and setup.rate:
+    if not (setup.burst_bytes and setup.rate):
+        done, resources = build(sim, setup, tensors, costs, t, pool, links, t0)
+        step = max([sim.run(), setup.compute_s] + done)
+    else:
         # Steps run back to back, so a token bucket starts a step with what it refilled since the
-        # last one, not full: simulate a step before the one that is timed, on the same links.
-        done, _ = build(sim, setup, tensors, costs, t, pool, links, 0.0)
-        t0 = max([sim.run(), setup.compute_s] + done)
-        for r in list(links.values()) + ([pool] if pool else []):
-            r.busy_s = 0.0
-    done, resources = build(sim, setup, tensors, costs, t, pool, links, t0)
-    end = sim.run()
-    step = max([end, t0 + setup.compute_s] + done) - t0
+        # last one, not full: simulate the benchmark's sequence on the same links, its warm-up steps
+        # and then its timed ones (a bucket of a few ms empties over a few steps of a small model),
+        # and take the median of the timed ones as the benchmarks do.
+        steps = []
+        for i in range(setup.warmup + setup.timed):
+            for r in list(links.values()) + ([pool] if pool else []):
+                r.busy_s = 0.0
+            done, resources = build(sim, setup, tensors, costs, t, pool, links, t0)
+            end = max([sim.run(), t0 + setup.compute_s] + done)
+            if i >= setup.warmup:
+                steps.append(end - t0)
+            t0 = end
+        step = statistics.median(steps)
     busiest = max(resources, key=lambda r: r.busy_s) if resources else None
     return {"step_s": step, "comm_s": step - setup.compute_s, "events": sim.events,
             "busiest": busiest.name if busiest else None, "busiest_s": busiest.busy_s if busiest else 0.0}

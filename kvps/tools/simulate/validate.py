@@ -56,10 +56,13 @@ def emulated_burst(rate_bits):
     return max(128 * 1024, int(rate_bits) // 8 // 250)
 
 
-def predicted(system, W, S, rate_bits, model, mode, costs):
+def predicted(system, W, S, rate_bits, model, mode, costs, steps=3):
+    """The model's step for a setup that measure() times: the same warm-up and timed steps, back to
+    back behind the same token buckets, the plan's keys placed as kvps places them."""
     from kvps.tools.bench.workloads import RESNET_KEY0
+    warmup = _plan(model, steps)["resnet"]["warmup"]
     setup = Setup(system, W, S if system == "ps" else 1, rate=rate_bits, transport="veth", mode=mode,
-                  burst_bytes=emulated_burst(rate_bits), key0=RESNET_KEY0)     # the plan's keys, placed as kvps does
+                  burst_bytes=emulated_burst(rate_bits), key0=RESNET_KEY0, warmup=warmup, timed=steps)
     return predict(setup, tensors(model), costs)["step_s"]
 
 
@@ -83,7 +86,7 @@ def validate(costs, workers=(2, 4), servers=(1, 2, 4), rates=("1gbit", "100mbit"
                     # the ring's model is of its one-call path; sync's ring push+pull is printed, not predicted
                     modes = ("pushpull", "push+pull") if system == "ps" else ("pushpull",)
                     for mode in modes:
-                        p = predicted(system, W, S, bits, model, mode, costs)
+                        p = predicted(system, W, S, bits, model, mode, costs, steps)
                         rows.append({"system": system, "mode": mode, "model": model, "rate": rate, "W": W, "S": S,
                                      "measured_s": measured.get(mode), "predicted_s": p, "error": error})
                     say(f"[validate] {what}: measured " + (", ".join(f"{m} {measured[m] * 1e3:.0f} ms" for m in modes
