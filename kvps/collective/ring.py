@@ -103,6 +103,8 @@ class Ring:
     def close(self):
         """End the waits of a running collective with KVPSError; later collectives fail at once."""
         self._end(KVPSError(f"{self.node.name}: the ring is closed (its kvstore was closed)"))
+        if self.shared is not None:
+            self.shared.close()
 
     def wake(self):
         """Have a waiting serve() look at its `done()` again (call once what it reads has changed)."""

@@ -120,6 +120,14 @@ class Shared:
                 log.info("%s: W%d's ring buffer %s stays on TCP: %s", self.node.name, self.left, meta["segment"], exc)
             self.node.send_to_peer(f"W{self.left}", Header(Op.RING, meta=answer))
 
+    def close(self):
+        """Let go of the segments (the kvstore is closing; any thread): their descriptors now, their
+        memory once nothing maps it (the right neighbour's mapping, arrays still in use)."""
+        mine, self._mine = self._mine, {}            # rebound, not cleared: a collective may be iterating it
+        self._theirs = Mapped(self._theirs.pid)
+        for segment, _, _ in mine.values():
+            segment.close()
+
     # ---- control messages (the I/O thread: short, never blocking) ----
     def control(self, src, meta):
         """An "attach" from the left neighbour or an "attached" from the right one; False if it is

@@ -76,3 +76,17 @@ def test_a_buffer_is_offered_once_and_goes_by_place_once_the_right_neighbour_map
     shared.place(refused)
     assert shared.control("W2", {"phase": "attached", "segment": node.sent[-1][1]["segment"], "refused": "no"})
     assert shared.place(refused) is None
+
+
+def test_close_lets_go_of_the_segments_and_later_buffers_are_never_placed():
+    node = FakeNode()
+    shared = Shared(node, 1, 3)
+    buf = shared.buffer(1000, np.float32)
+    fd = shared._mine[0][0].fd
+    buf[:] = 7.0
+    shared.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)                      # the descriptor is closed
+    assert float(buf.sum()) == 7000.0     # an array still in use keeps its memory
+    assert shared.place(buf) is None
+    shared.close()                        # twice is harmless
