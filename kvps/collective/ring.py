@@ -67,7 +67,10 @@ class Ring:
         meta = header.meta
         phase = meta.get("phase")
         if phase in ("attach", "attached"):
-            if self.shared is None or not self.shared.control(header.src, meta):
+            if self.shared is None:     # KVPS_SHM=0 here, or a neighbour elsewhere: the sender stays on TCP
+                log.info("%s: %s offers its ring buffer in shared memory; this worker does not share",
+                         self.node.name, header.src)
+            elif not self.shared.control(header.src, meta):
                 log.warning("%s: unexpected ring message %r dropped", self.node.name, header)
             return
         try:
