@@ -7,11 +7,12 @@ maps. A chunk then travels as its place in the segment (a RING message without p
 neighbour sums or copies it straight out of the sender's memory: received in place, with no pass
 in between.
 
-    shared = Shared.of(node, cfg)          # None: one worker, KVPS_SHM=0, an elastic job, or the
-                                           # right and left neighbours are on other hosts
+    shared = Shared.of(node, cfg, rank, size)   # None: one worker, KVPS_SHM=0, an elastic job, or
+                                                # a neighbour on another host
     buf = shared.buffer(count, dtype)      # a fused buffer the right neighbour can read
     at = shared.place(flat)                # (segment, byte offset) of flat once the right maps it
     chunk = shared.view(at, nbytes)        # a chunk the left neighbour placed (receiver side)
+    shared.close()                         # the kvstore is closing
 
 The handshake: the first collective on a new buffer goes over TCP, while a RING message of phase
 "attach" (the segment's descriptor number and nonce) asks the right neighbour to map it. The right
