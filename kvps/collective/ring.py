@@ -231,18 +231,14 @@ class Ring:
         code = dtype_code(flat.dtype)
         sending = {}                     # chunk start -> _Sent of the send that may still read it
         shared = self.shared
-        placed = read = 0                # chunks sent by place, and read by place
         if shared is not None:
             shared.map_waiting()
+            placed, read = shared.placed, shared.read        # this collective's: what they grow by
 
         def send(phase, step, c, a, b):
-            nonlocal placed
-            at = shared.place(flat) if shared is not None else None
-            if at is not None:
-                at = [at[0], at[1] + a * flat.itemsize]
-                placed += 1
-                shared.placed += 1
-            sending[a] = self._send(seq, n, phase, step, c, flat[a:b], at)
+            piece = flat[a:b]
+            at = shared.place(piece) if shared is not None else None
+            sending[a] = self._send(seq, n, phase, step, c, piece, at)
 
         def settle(a):
             sent = sending.pop(a, None)
@@ -257,7 +253,6 @@ class Ring:
         chunk_events = telemetry is not None and telemetry.timeline is not None
 
         def take(phase, step, c, a, b):
-            nonlocal read
             if chunk_events:
                 started = time.time()
             entry, frame, at = self._receive(seq, phase, step, c, what, deadline)
@@ -271,7 +266,6 @@ class Ring:
                 if shared is None:
                     raise ProtocolError(f"{what}: {self.left} placed a chunk in shared memory, which this "
                                         f"worker does not share")
-                read += 1
                 return shared.view(at, (b - a) * flat.itemsize).view(flat.dtype)
             return as_array(frame, entry)
 
@@ -298,10 +292,11 @@ class Ring:
                     send("ag", step + 1, c, a, b)
         for a in list(sending):                            # the caller may change the buffer next
             settle(a)
-        if read:                    # the left neighbour may change its buffer once we say so
-            self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "done", "seq": seq}))
-        if placed:
-            self._done(seq, what, deadline)
+        if shared is not None:
+            if shared.read != read:     # the left neighbour may change its buffer once we say so
+                self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "done", "seq": seq}))
+            if shared.placed != placed:
+                self._done(seq, what, deadline)
         if telemetry is not None:
             telemetry.ring_phase(seq, "all_gather", gather_start, time.time(), flat.nbytes)
 

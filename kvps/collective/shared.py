@@ -10,7 +10,7 @@ in between.
     shared = Shared.of(node, cfg, rank, size)   # None: one worker, KVPS_SHM=0, an elastic job, or
                                                 # a neighbour on another host
     buf = shared.buffer(count, dtype)      # a fused buffer the right neighbour can read
-    at = shared.place(flat)                # (segment, byte offset) of flat once the right maps it
+    at = shared.place(chunk)               # [segment, byte offset] of a chunk once the right maps it
     chunk = shared.view(at, nbytes)        # a chunk the left neighbour placed (receiver side)
     shared.close()                         # the kvstore is closing
 
@@ -82,15 +82,17 @@ class Shared:
         self._mine[segment.id] = [segment, array.ctypes.data, None]
         return array
 
-    def place(self, flat):
-        """(segment id, byte offset) of `flat` in a segment the right neighbour has mapped, else None
-        (and the first time, ask it to map the segment)."""
-        address = flat.ctypes.data
+    def place(self, chunk):
+        """[segment id, byte offset] of `chunk`, which the caller then sends by place, if it lies in a
+        segment the right neighbour has mapped; else None (and the first time, ask it to map the
+        segment)."""
+        address = chunk.ctypes.data
         for sid, mine in self._mine.items():
             segment, base, state = mine
-            if base <= address and address + flat.nbytes <= base + segment.size - 64:
+            if base <= address and address + chunk.nbytes <= base + segment.size - 64:
                 if state is True:
-                    return sid, 64 + address - base
+                    self.placed += 1
+                    return [sid, 64 + address - base]
                 if state is None:
                     mine[2] = "asked"
                     meta = {"phase": "attach", "segment": sid, "fd": segment.fd, "nonce": segment.nonce}

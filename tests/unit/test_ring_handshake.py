@@ -70,7 +70,7 @@ def test_a_buffer_is_offered_once_and_goes_by_place_once_the_right_neighbour_map
     assert [(to, meta["phase"]) for to, meta in node.sent] == [("W2", "attach")]     # asked once
     assert shared.control("W2", {"phase": "attached", "segment": node.sent[0][1]["segment"]})
     segment, offset = shared.place(buf[10:])
-    assert offset == 64 + 40
+    assert offset == 64 + 40 and shared.placed == 1
     assert shared.place(np.empty(10, np.float32)) is None          # private memory: over TCP
     refused = shared.buffer(10, np.float32)
     shared.place(refused)
