@@ -16,6 +16,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
+#include <emmintrin.h> /* SSE2, part of x86-64: the streaming stores of kvps_copy */
 #define KVPS_X86 1
 #endif
 
@@ -186,6 +187,8 @@ int kvps_sum_sources(int dtype, void *dst, const void *const *srcs, int nsrc, in
     for (int k = 0; k < nsrc; k++)
         CHECK_ARRAY(srcs[k], n);
     src_job j = {isa()->sources[dtype], dst, srcs, nsrc};
+    if (dtype == KVPS_F32 && n * 4 >= KVPS_STREAM_BYTES && isa()->sources_stream_f32)
+        j.fn = isa()->sources_stream_f32;
     if (n)
         kvps_parallel_for(src_range, &j, n, KVPS_ALIGN);
     return KVPS_OK;
@@ -252,6 +255,33 @@ int kvps_cast(int src_dtype, const void *src, int dst_dtype, void *dst, int64_t 
     j.dsz = dtype_sizes[dst_dtype];
     if (n)
         kvps_parallel_for(cast_range, &j, n, KVPS_ALIGN);
+    return KVPS_OK;
+}
+
+/* ---- copies ------------------------------------------------------------------------------ */
+int kvps_copy(void *dst, const void *src, int64_t nbytes) {
+    CHECK_ARRAY(dst, nbytes);
+    CHECK_ARRAY(src, nbytes);
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    CHECK(d + nbytes <= s || s + nbytes <= d || nbytes == 0, KVPS_ERR_ARG);
+#ifdef KVPS_X86
+    if (nbytes >= KVPS_STREAM_BYTES) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* streaming stores need 16-byte aligned dst */
+        memcpy(d, s, head);
+        d += head, s += head, nbytes -= (int64_t)head;
+        for (; nbytes >= 64; nbytes -= 64, d += 64, s += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        _mm_sfence(); /* the streamed bytes are visible before whatever the caller does next */
+    }
+#endif
+    memcpy(d, s, (size_t)nbytes);
     return KVPS_OK;
 }
 

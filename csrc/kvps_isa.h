@@ -52,6 +52,9 @@ struct kvps_isa {
     const char *name;
     kvps_binary_fn sum[KVPS_NDTYPES];
     kvps_sources_fn sources[KVPS_NDTYPES];
+    /* float32 sources with stores that bypass the cache, for sums of KVPS_STREAM_BYTES or more
+     * (NULL: the path has none, the scalar one) */
+    kvps_sources_fn sources_stream_f32;
     kvps_scale_fn scale[KVPS_NDTYPES];   /* float dtypes only */
     kvps_axpy_fn axpy[KVPS_NDTYPES];     /* float dtypes only */
     kvps_cast_fn from_f32[KVPS_NDTYPES]; /* float32 -> float16 / bfloat16 */

@@ -23,7 +23,7 @@ extern "C" {
 #endif
 
 /* Bumped on every change of a signature or of a table below; Python checks it at load. */
-#define KVPS_ABI_VERSION 1
+#define KVPS_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define KVPS_API __declspec(dllexport)
@@ -76,7 +76,8 @@ KVPS_API int kvps_set_num_threads(int n);           /* 1..64 */
 /* dst[i] += src[i]. All six dtypes; integers wrap around. */
 KVPS_API int kvps_sum_into(int dtype, void *dst, const void *src, int64_t n);
 /* dst[i] = srcs[0][i] + srcs[1][i] + ..., left to right (float16/bfloat16: in float32,
- * rounded once). dst may be one of the sources; it must not partially overlap one. */
+ * rounded once). dst may be one of the sources; it must not partially overlap one. float32 sums
+ * of KVPS_STREAM_BYTES or more are stored past the cache, as kvps_copy does. */
 KVPS_API int kvps_sum_sources(int dtype, void *dst, const void *const *srcs, int nsrc, int64_t n);
 /* x[i] *= alpha; y[i] += alpha * x[i]. Float dtypes; alpha is rounded to float32 except
  * for float64. */
@@ -84,6 +85,11 @@ KVPS_API int kvps_scale(int dtype, void *x, double alpha, int64_t n);
 KVPS_API int kvps_axpy(int dtype, void *y, double alpha, const void *x, int64_t n);
 /* float32 <-> float16 / bfloat16, round to nearest even (one side must be float32). */
 KVPS_API int kvps_cast(int src_dtype, const void *src, int dst_dtype, void *dst, int64_t n);
+/* dst[0 .. nbytes) = src[0 .. nbytes) (no overlap). From KVPS_STREAM_BYTES on, with stores that
+ * bypass the cache (x86-64): a copy bigger than the caches would only evict what the copying thread
+ * reads next, and streaming skips reading dst in first (about a third fewer bytes moved). */
+#define KVPS_STREAM_BYTES (1 << 20)
+KVPS_API int kvps_copy(void *dst, const void *src, int64_t nbytes);
 
 /* ---- fused optimizer updates (MXNet's formulas; see reference.py) --------------------
  * weight and state arrays are float32; grad_dtype is KVPS_F32, KVPS_F16 or KVPS_BF16.

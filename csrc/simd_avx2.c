@@ -36,6 +36,7 @@ typedef __m256i VI;
 
 INLINE V ld32(const void *p) { return _mm256_loadu_ps(p); }
 INLINE void st32(void *p, V v) { _mm256_storeu_ps(p, v); }
+INLINE void stream32(void *p, V v) { _mm256_stream_ps(p, v); }
 INLINE VD ld64f(const void *p) { return _mm256_loadu_pd(p); }
 INLINE void st64f(void *p, VD v) { _mm256_storeu_pd(p, v); }
 INLINE VI ldi(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }

@@ -40,6 +40,7 @@ typedef __m512i VI;
 
 INLINE V ld32(const void *p) { return _mm512_loadu_ps(p); }
 INLINE void st32(void *p, V v) { _mm512_storeu_ps(p, v); }
+INLINE void stream32(void *p, V v) { _mm512_stream_ps(p, v); }
 INLINE VD ld64f(const void *p) { return _mm512_loadu_pd(p); }
 INLINE void st64f(void *p, VD v) { _mm512_storeu_pd(p, v); }
 INLINE VI ldi(const void *p) { return _mm512_loadu_si512(p); }

@@ -16,6 +16,7 @@
  *   ADD_PD MUL_PD SET_PD        float64 operations
  *   ADD_EPI32 ADD_EPI64         wrapping integer additions
  *   ld32/st32, ld64f/st64f, ldi/sti     unaligned loads and stores of whole vectors
+ *   stream32                    an aligned float32 vector store that bypasses the cache
  *   ld16h/st16h, ld16b/st16b    float16 / bfloat16 widened to float32 and rounded back
  *                               (round to nearest even, NaN kept)
  *   compress2, compress1, decompress2, decompress1   the compression loops (their bit
@@ -65,6 +66,27 @@ SOURCES_LOOP(src_f16, KVPS_F16, 2, LANES, V, ld16h, st16h, ADD)
 SOURCES_LOOP(src_bf16, KVPS_BF16, 2, LANES, V, ld16b, st16b, ADD)
 SOURCES_LOOP(src_i32, KVPS_I32, 4, LANES, VI, ldi, sti, ADD_EPI32)
 SOURCES_LOOP(src_i64, KVPS_I64, 8, LANES64, VI, ldi, sti, ADD_EPI64)
+
+/* float32 sums too big for the caches: the same adds, stored with stream32 (past the cache,
+ * so the sum's bytes are not read in first) once d + i is vector-aligned; the head before that
+ * and the tail go to the scalar function. The fence makes the streamed stores visible before the
+ * chunk counts as done (kvps_parallel_for's threads hand results over through atomics). */
+static void src_f32_stream(void *d, const void *const *srcs, int nsrc, int64_t off, int64_t n) {
+    int64_t i = off, end = off + n;
+    int64_t head = (int64_t)((LANES * 4 - ((uintptr_t)AT(d, i, 4) & (LANES * 4 - 1))) & (LANES * 4 - 1)) / 4;
+    if ((uintptr_t)d & 3)
+        head = n; /* not even float-aligned: no vector store can be aligned */
+    head = head < n ? head : n;
+    kvps_scalar_sources(KVPS_F32, d, srcs, nsrc, i, head);
+    for (i += head; i + LANES <= end; i += LANES) {
+        V acc = ld32(CAT(srcs[0], i, 4));
+        for (int k = 1; k < nsrc; k++)
+            acc = ADD(acc, ld32(CAT(srcs[k], i, 4)));
+        stream32(AT(d, i, 4), acc);
+    }
+    _mm_sfence();
+    kvps_scalar_sources(KVPS_F32, d, srcs, nsrc, i, end - i);
+}
 
 /* ---- scale, axpy, casts ------------------------------------------------------------------- */
 #define SCALE_AXPY(SUFFIX, DT, ESZ, LD, ST)                                                       \
@@ -281,6 +303,7 @@ const struct kvps_isa SIMD_TABLE = {
             [KVPS_I32] = sum_i32, [KVPS_I64] = sum_i64},
     .sources = {[KVPS_F32] = src_f32, [KVPS_F64] = src_f64, [KVPS_F16] = src_f16, [KVPS_BF16] = src_bf16,
                 [KVPS_I32] = src_i32, [KVPS_I64] = src_i64},
+    .sources_stream_f32 = src_f32_stream,
     .scale = {[KVPS_F32] = scale_f32, [KVPS_F64] = scale_f64, [KVPS_F16] = scale_f16, [KVPS_BF16] = scale_bf16},
     .axpy = {[KVPS_F32] = axpy_f32, [KVPS_F64] = axpy_f64, [KVPS_F16] = axpy_f16, [KVPS_BF16] = axpy_bf16},
     .from_f32 = {[KVPS_F16] = from_f32_f16, [KVPS_BF16] = from_f32_bf16},

@@ -136,6 +136,23 @@ def sum_into(dst, src):
     _call("sum_into").sum_into(dst, src)
 
 
+def copy(dst, src):
+    """dst[:] = src, byte for byte (any dtypes, the same number of bytes). The C backend streams
+    big copies past the cache (csrc/kvps_kernels.h: kvps_copy): shared-memory pushes and pulls
+    copy whole models that nobody reads again soon."""
+    for name, a in (("dst", dst), ("src", src)):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"copy: {name} must be a numpy array, got {type(a).__name__}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"copy: {name} {a.dtype} {a.shape} is not C-contiguous (flags: {_flags(a)})")
+    if not dst.flags.writeable:
+        raise ValueError(f"copy: dst {dst.dtype} {dst.shape} is read-only (flags: {_flags(dst)})")
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy: dst is {dst.dtype} {dst.shape} ({dst.nbytes} bytes) but src is {src.dtype} "
+                         f"{src.shape} ({src.nbytes} bytes); they must have the same size in bytes")
+    _call("copy").copy(dst, src)
+
+
 def sum_sources(dst, srcs):
     """dst[:] = srcs[0] + srcs[1] + ..., left to right (low precision: in float32, rounded once)."""
     _array("sum_sources", "dst", dst, SUM_DTYPES, writeable=True)
@@ -394,7 +411,7 @@ def describe():
 
 
 __all__ = [
-    "sum_into", "sum_sources", "scale", "axpy", "cast",
+    "sum_into", "sum_sources", "copy", "scale", "axpy", "cast",
     "sgd_update", "adam_update", "adamw_update", "adagrad_update", "rmsprop_update",
     "compress_2bit", "decompress_2bit_add", "compress_1bit", "decompress_1bit_add",
     "compress_topk", "decompress_topk_add",

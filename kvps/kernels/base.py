@@ -12,8 +12,10 @@ build's status file live, and how an optional clip value crosses the C ABI.
 import abc
 import os
 
+import numpy as np
+
 # csrc/kvps_kernels.h's KVPS_ABI_VERSION, of _kvps_kernels.so and of _kvps_cuda.so.
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Written by setup.py beside the libraries on every C build: "ok", or "failed: <reason>"
 # and the compiler's output (see build_status()).
 BUILD_STATUS = "_build_status.txt"
@@ -57,6 +59,10 @@ class Backend(abc.ABC):
     def details(self):
         """One line for describe(): where the code comes from and how it runs."""
         return ""
+
+    def copy(self, dst, src):
+        """dst[:] = src, byte for byte (kvps.kernels.copy); a backend may copy big arrays faster."""
+        np.copyto(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
 
     @abc.abstractmethod
     def sum_into(self, dst, src): ...

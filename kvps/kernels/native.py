@@ -48,6 +48,7 @@ SIGNATURES = {
     "kvps_scale": (_i, [_i, _p, _d, _i64]),
     "kvps_axpy": (_i, [_i, _p, _d, _p, _i64]),
     "kvps_cast": (_i, [_i, _p, _i, _p, _i64]),
+    "kvps_copy": (_i, [_p, _p, _i64]),
     "kvps_sgd_update": (_i, [_i, _p, _p, _p, _i64, _f, _f, _f, _f, _f, _i]),
     "kvps_adam_update": (_i, [_i, _p, _p, _p, _p, _i64, _f, _f, _f, _f, _f, _f, _f]),
     "kvps_adamw_update": (_i, [_i, _p, _p, _p, _p, _i64, _f, _f, _f, _f, _f, _f, _f, _f]),
@@ -161,6 +162,9 @@ class CBackend(Backend):
 
     def sum_into(self, dst, src):
         self._check(self.lib.kvps_sum_into(DTYPE_CODES[dst.dtype], _addr(dst), _addr(src), dst.size), "sum_into")
+
+    def copy(self, dst, src):
+        self._check(self.lib.kvps_copy(_addr(dst), _addr(src), dst.nbytes), "copy")
 
     def sum_sources(self, dst, srcs):
         ptrs = (ctypes.c_void_p * len(srcs))(*[_addr(s) for s in srcs])

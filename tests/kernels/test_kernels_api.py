@@ -69,6 +69,22 @@ def test_other_bad_arguments():
         kernels.compress_topk(f, f.copy(), -1)
 
 
+def test_copy_checks_its_arrays_and_copies_any_dtypes_of_one_size():
+    with pytest.raises(ValueError, match=r"copy: dst is float32 \(4,\) \(16 bytes\) but src is float32 \(5,\)"):
+        kernels.copy(np.zeros(4, np.float32), np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="copy: src float32 .* is not C-contiguous"):
+        kernels.copy(np.zeros(4, np.float32), np.zeros(8, np.float32)[::2])
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="copy: dst .* is read-only"):
+        kernels.copy(ro, np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="copy: src must be a numpy array"):
+        kernels.copy(ro, [1.0])
+    dst = np.zeros(2, np.int64)
+    kernels.copy(dst, np.arange(4, dtype=np.int32))      # bytes, not values
+    assert dst.view(np.int32).tolist() == [0, 1, 2, 3]
+
+
 def test_out_of_range_topk_index_changes_nothing():
     dst = np.zeros(10, np.float32)
     with pytest.raises(ValueError, match=r"indices span \[2, 10\], outside dst \(10,\)"):

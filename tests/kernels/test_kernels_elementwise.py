@@ -1,4 +1,4 @@
-"""Parity of sum_into, sum_sources, scale, axpy and cast with the numpy reference.
+"""Parity of sum_into, sum_sources, copy, scale, axpy and cast with the numpy reference.
 
 Every available backend (each C SIMD path, numba) over every dtype, the sizes of
 kvps.kernels.testing.SIZES and misaligned views; results must match bit for bit.
@@ -60,6 +60,35 @@ def test_sum_sources(backend, dtype, nsrc):
         with np.errstate(all="ignore"):
             backend.sum_sources(dst, srcs)
         testing.assert_same(dst, expected, what)
+
+
+@pytest.mark.parametrize("nsrc", [1, 2, 3])
+def test_big_float32_sums_streamed_past_the_cache_at_every_alignment(backend, nsrc):
+    # float32 sums of 1 MiB or more store whole vectors past the cache (csrc: src_f32_stream) once
+    # the destination is vector-aligned: every head length before that, and dst aliasing a source
+    rng = np.random.default_rng(7)
+    n = (1 << 18) + 37
+    base = testing.empty(n + 16, np.float32)
+    for shift in range(17):
+        srcs = [testing.random(rng, n, np.float32, "element") for _ in range(nsrc)]
+        expected = testing.empty(n, np.float32)
+        reference.sum_sources(expected, srcs)
+        dst = base[shift:shift + n]
+        backend.sum_sources(dst, srcs)
+        testing.assert_same(dst, expected, f"dst {shift} floats past an aligned address")
+        backend.sum_sources(srcs[0], srcs)
+        testing.assert_same(srcs[0], expected, f"dst is the first source, shift {shift}")
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 65, (1 << 20) - 1, (1 << 20) + 77])
+def test_copy_byte_for_byte(backend, n):
+    rng = np.random.default_rng(8)
+    src = rng.integers(0, 256, n + 64, np.uint8)
+    for off in (0, 1, 15, 16, 33):
+        dst = np.zeros(n + 64, np.uint8)
+        backend.copy(dst[off:off + n], src[64 - off:64 - off + n])
+        assert np.array_equal(dst[off:off + n], src[64 - off:64 - off + n]), (n, off)
+        assert not dst[:off].any() and not dst[off + n:].any(), "copy wrote outside dst"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
