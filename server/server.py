@@ -41,7 +41,7 @@ from kvps.errors import KVPSError, KVValueError, NodeFailure, ProtocolError, des
 from kvps.wire.membership import Node, advertised_host, parse_name
 from kvps.wire.protocol import (MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
                                 numpy_dtype, quote)
-from kvps.wire.shm import Mapped, ShmRefused
+from kvps.wire.shm import Mapped, ShmRefused, Values
 from kvps.wire.throttle import escape
 from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 
@@ -63,12 +63,15 @@ HELD_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.SET_
 class Reply:
     """Collects the per-entry results of one request and sends one reply when all are in."""
 
-    def __init__(self, server, routing_id, header, count, values, into=None):
+    def __init__(self, server, routing_id, header, count, values, into=None, reads=None):
         self.server, self.routing_id, self.header = server, routing_id, header
         self.results = [None] * count
         self.left = count
         self.values = values
         self.into = into or {}          # entry index -> shared-memory view its value is copied into
+        # how many of the server's value segments the worker has mapped, when it may read its
+        # values straight out of them (Server._reads); None: copy them into `into`
+        self.reads = reads
         self.error = None
         self.answered = set()
         self.pull = None                # (worker, codec) when the values go back compressed
@@ -107,12 +110,19 @@ class Reply:
         elif not self.values:
             server.answer(self.routing_id, h, Header(Op.ACK, h.id, server.name))
         else:
-            entries, payloads, shared = [], [], []
+            entries, payloads, shared, placed = [], [], [], []
             for index, (request_entry, array) in enumerate(zip(h.keys, self.results)):
                 if self.pull is not None:
                     array = self._squeeze(index, request_entry, array)
                 view = self.into.get(index) if self.into else None
                 if view is not None and index not in self.squeezed and view.nbytes == array.nbytes:
+                    at = server.values.locate(array) if self.reads is not None else None
+                    if at is not None and at[0] < self.reads:
+                        # the worker copies it out of our segment (kvps/wire/shm.py: Values)
+                        entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
+                                             array.shape, 0))
+                        placed.append([index, *at])
+                        continue
                     np.copyto(view, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
                     entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
                                          array.shape, 0))
@@ -124,6 +134,11 @@ class Reply:
             meta = {"codec": self.pull[1], "delta": self._delta()} if self.pull is not None else {}
             if shared:
                 meta["shm"] = shared
+            if placed:
+                meta["at"] = placed
+                server.placed_entries += len(placed)
+            if self.reads is not None and server.values.count > self.reads:
+                meta["segments"] = server.values.offers(self.reads)
             reply = Header(Op.VALUE, h.id, server.name, entries, meta or None)
             squeezed = self.squeezed
 
@@ -175,6 +190,10 @@ class Server(Node):
         self.window = Window()                  # request ids answered, per worker (resends, duplicates)
         self.shared = {}                        # worker name -> its Mapped shared-memory segments
         self.shared_entries = 0                 # entries whose payload or value went through them
+        # the values of big keys in shared segments that co-located workers read pulls out of, in
+        # the modes where no value changes under a reader (Server._reads); None: private memory
+        self.values = None
+        self.placed_entries = 0                 # reply entries read that way
         if self.telemetry is not None and self.telemetry.metrics is not None:
             self._export(self.telemetry.metrics)
         self.joining = []                       # requests from a worker whose join the scheduler has not told us of
@@ -188,6 +207,8 @@ class Server(Node):
         self.start()
         self._done.wait()
         self.stop()
+        if self.values is not None:
+            self.values.close()
         return self.exit_code
 
     # ---- node hooks (I/O thread) ----
@@ -218,6 +239,10 @@ class Server(Node):
                      f", {self.cfg.server_threads} merge threads" if self.store.pool is not None else "")
             if self.telemetry is not None:
                 self.store.observer = self.telemetry
+            if self.cfg.shm and not self.cfg.replicas and not self.cfg.elastic and \
+                    self.store.consistency.wire() == "sync":
+                self.values = Values()
+                self.store.alloc = lambda slot: self.values.alloc(slot.id, slot.dtype, slot.shape)
         except (ProtocolError, ValueError) as exc:
             # Not fatal here: every request is answered with the reason, so the workers fail with a
             # clear message, and the scheduler still ends the job when they leave.
@@ -549,6 +574,19 @@ class Server(Node):
         mapped.attach(meta["fd"], meta["segment"], meta["nonce"])
         self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
 
+    def _reads(self, header, worker):
+        """How many of our value segments a co-located worker has mapped (its request's "mapped"),
+        when its reply may name values in them instead of copying them; else None.
+
+        Only in dist_sync without backup workers (self.values is None otherwise), where a value
+        changes only when a round closes, which needs every worker's next push of the key; a worker
+        sends none until it has copied what it read (kvps/kvstore/order.py). A worker that has
+        joined (Horovod's join) counts as pushing zeros, so rounds close without it: it gets copies."""
+        claim = header.meta.get("mapped")
+        if claim is None or self.values is None or worker in self.store.joined:
+            return None
+        return claim
+
     def _check_all(self, entries):
         for e, _ in entries:
             self.store.check(e.key, e.part, numpy_dtype(e.dtype), e.shape)
@@ -575,7 +613,8 @@ class Server(Node):
             entries = [self._decoded(e, array, codec) for e, array in entries]
         self._check_all(entries)
         into = self._shared(header, "into") if then_pull else None
-        reply = Reply(self, routing_id, header, len(entries), values=then_pull, into=into)
+        reply = Reply(self, routing_id, header, len(entries), values=then_pull, into=into,
+                      reads=self._reads(header, worker) if into else None)
         if then_pull:
             reply.compress(worker, header.meta.get("pull"))
         for i, (e, array) in enumerate(entries):
@@ -602,7 +641,9 @@ class Server(Node):
     def _pull(self, routing_id, header, payloads, worker):
         for e in header.keys:
             self.store.slot(e.key, e.part)
-        reply = Reply(self, routing_id, header, len(header.keys), values=True, into=self._shared(header, "into"))
+        into = self._shared(header, "into")
+        reply = Reply(self, routing_id, header, len(header.keys), values=True, into=into,
+                      reads=self._reads(header, worker) if into else None)
         reply.compress(worker, header.meta.get("pull"))
         for i, e in enumerate(header.keys):
             self.store.pull(worker, e.key, e.part, reply.callback(i))
@@ -653,7 +694,7 @@ class Server(Node):
     def _stats(self, routing_id, header, payloads, worker):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
                     keys=len(self.store.slots), mode=self.store.consistency.wire(),
-                    duplicates=self.window.duplicates, shared=self.shared_entries,
+                    duplicates=self.window.duplicates, shared=self.shared_entries, placed=self.placed_entries,
                     forwarded=self.chain.forwarded if self.chain is not None else 0)
         self.answer(routing_id, header, Header(Op.STATS, header.id, self.name, meta=meta))
 

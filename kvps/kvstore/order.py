@@ -9,12 +9,19 @@ request naming it, and before a call is sent says which way it goes, waiting whe
     order = Order(strict=False)
     lane = order.route(keys, lane)      # the Lane to use, or None for the I/O path
     handle = ...send...
-    order.sent(keys, handle)
+    order.sent(keys, handle, reads)     # reads: its reply may name values in server memory
 
 A small call whose key still waits on the I/O path goes there too (nothing waits); a big call whose
 key waits on a lane first waits for that request (which is small). `strict` (resends on, where a
 lost request is sent again after later ones): every call first waits for the earlier requests
 naming its keys, whichever way they went.
+
+A request whose reply may name values in a co-located server's memory (`reads`, kvps/wire/shm.py:
+Reader) is waited for by every later call naming its keys, whichever way that goes: its reply is
+copied out of that memory when it arrives, before its handle completes, and the value it names
+changes only when a round closes, which needs this worker's next push of the key. So no value
+changes while this worker still copies it (in dist_sync without backup workers, where servers
+answer this way).
 """
 from kvps.errors import KVPSError
 from kvps.wire.lane import LaneHandle
@@ -23,20 +30,23 @@ from kvps.wire.lane import LaneHandle
 class Order:
     def __init__(self, strict=False):
         self.strict = strict
-        self._last = {}             # key -> handle of this worker's last request naming it
+        self._last = {}             # key -> (handle, reads) of this worker's last request naming it
 
     def route(self, keys, lane):
         """The way a call on `keys` goes: `lane` (a Lane, or None when the call may not use one) or
         None (the I/O path). Waits first for what must be answered before."""
-        earlier = []
+        earlier, reading = [], []
         for key in keys:
-            handle = self._last.get(key)
-            if handle is None:
+            last = self._last.get(key)
+            if last is None:
                 continue
+            handle, reads = last
             if handle.done():
                 del self._last[key]
             else:
                 earlier.append(handle)
+                if reads:
+                    reading.append(handle)
         if not earlier:
             return lane
         if self.strict:
@@ -46,6 +56,7 @@ class Order:
             if lane is not None and any(type(h) is not LaneHandle for h in earlier):
                 lane = None             # a key waits on the I/O path: follow it there
             wait = [h for h in earlier if type(h) is LaneHandle and h.lane is not lane]
+            wait += [h for h in reading if h not in wait]
         for handle in wait:
             try:
                 handle.wait()
@@ -53,9 +64,9 @@ class Order:
                 pass                    # its own call, wait_all() or close() raises it
         return lane
 
-    def sent(self, keys, handle):
+    def sent(self, keys, handle, reads=False):
         for key in keys:
-            self._last[key] = handle
+            self._last[key] = (handle, reads)
 
     def forget(self):
         self._last.clear()

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from kvps import kernels
 from kvps.ps import compression, sharding
 from kvps.config import Config
 from kvps.ps.consistency import Consistency
@@ -26,7 +27,7 @@ from kvps.kvstore.order import Order
 from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.lane import Lanes
 from kvps.wire.membership import Worker
-from kvps.wire.shm import MIN_BYTES, Arena, ShmRefused
+from kvps.wire.shm import MIN_BYTES, Arena, Reader, ShmRefused
 from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
@@ -40,6 +41,14 @@ def _bytes(array):
 SHM_MESSAGES = 4      # a message to a server through shared memory carries 4x KVPS_MESSAGE_BYTES
 LANE_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.ROW_SPARSE_PULL})
 _AUTO = object()      # _send: choose the way (lane or I/O thread) there
+
+
+def _copy(dest, src):
+    """dest[:] = src, through shared memory: kernels.copy streams big copies past the cache."""
+    if dest.dtype == src.dtype and dest.flags.c_contiguous and src.flags.c_contiguous:
+        kernels.copy(dest, src)
+    else:
+        np.copyto(dest, src)
 
 
 class Messages:
@@ -114,6 +123,7 @@ class DistKVStore(KVStore):
         self._pulled = None              # and their kvps.ps.compression.PullDecoder
         self._copies = {}                # key -> (private copy of its last push, that push's handle)
         self._arenas = {}                # server rank -> shm.Arena shared with it, or None (TCP only)
+        self._readers = {}               # server name -> shm.Reader of its value segments, or None
         # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
         self._order = Order(strict=bool(self._node.requests.resend_after))
         # small calls go on the calling thread's own connections (kvps/wire/lane.py), except where a
@@ -155,8 +165,9 @@ class DistKVStore(KVStore):
             items = [(self._node.server_peer(server), Header(op, keys=entries, meta=dict(meta, home=server)),
                       payloads, on_reply) for server, entries, payloads, meta in messages]
         else:
-            items = [(f"S{server}", Header(op, keys=entries, meta=meta), payloads, on_reply)
+            items = [(f"S{server}", Header(op, keys=entries, meta=self._claim(server, meta)), payloads, on_reply)
                      for server, entries, payloads, meta in messages]
+        reads = any(header.meta.get("mapped") for _, header, _, _ in items)
         if self._pull_codec is not None and op in (Op.PULL, Op.PUSHPULL):
             for _, header, _, _ in items:
                 header.meta["pull"] = self._pull_codec
@@ -169,7 +180,7 @@ class DistKVStore(KVStore):
             handle = lane.request_many(items, what, self.cfg.timeout, keep=keep)
         else:
             handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
-        self._order.sent(keys, handle)
+        self._order.sent(keys, handle, reads)
         for region in messages.regions:
             region.busy = handle
         handle.then = then
@@ -217,7 +228,7 @@ class DistKVStore(KVStore):
                 into = self._region(part.server, info, part, "reply") if replies else None
                 if regions is not None:
                     region = regions[i]
-                    np.copyto(region.array(info.dtype, seg.size), seg)
+                    _copy(region.array(info.dtype, seg.size), seg)
                     messages.add(part.server, Entry(info.key, part.index, code, part.shape(info.shape), 0), None,
                                  seg.nbytes, shm=region, into=into)
                     continue
@@ -261,6 +272,31 @@ class DistKVStore(KVStore):
         except KVPSError as exc:
             raise ShmRefused(describe(exc)) from None
 
+    def _reader(self, name):
+        """The Reader of server `name`'s value segments, or None: this worker copies no pull out of
+        server memory (not co-located, or a mode where a value may change under a reader: only
+        dist_sync without backup workers, outside elastic jobs, is answered that way)."""
+        try:
+            return self._readers[name]
+        except KeyError:
+            pass
+        reader = None
+        server = int(name[1:])
+        if self.consistency.wire() == "sync" and not self.cfg.elastic and self._arena(server) is not None:
+            reader = Reader(name, self._node.membership["servers"][server][2])
+        self._readers[name] = reader
+        return reader
+
+    def _claim(self, server, meta):
+        """A request's meta, which says how many of the server's value segments this worker has
+        mapped when the reply may name values there instead of writing them into `into`."""
+        if "into" in meta:
+            reader = self._reader(f"S{server}")
+            claim = reader.claim() if reader is not None else None
+            if claim is not None:
+                meta["mapped"] = claim
+        return meta
+
     def _region(self, server, info, part, direction):
         """The free region of `direction` ("push", "reply") for a part, or None (it goes over TCP)."""
         nbytes = part.size * info.dtype.itemsize
@@ -286,6 +322,7 @@ class DistKVStore(KVStore):
             if arena is not None:
                 arena.close()
         self._arenas.clear()
+        self._readers.clear()            # the servers' segments go once no view maps them
 
     def _compress(self, key, part, grad):
         residual = None
@@ -319,6 +356,7 @@ class DistKVStore(KVStore):
             frames = iter(payloads)
             shared = header.meta.get("shm", ())
             codec, delta = header.meta.get("codec"), header.meta.get("delta", False)   # compressed pull
+            placed, reader = self._placed(header)
             for index, entry in enumerate(header.keys):
                 frame = next(frames) if entry.nbytes else None
                 if codec is not None and self._squeezed(entry, frame, dests, codec, delta):
@@ -331,12 +369,34 @@ class DistKVStore(KVStore):
                     if frame is not None:
                         np.copyto(dest, as_array(frame, entry).reshape(-1))
                     elif index in shared:
-                        np.copyto(dest, self._replied(info, entry.part).array(info.dtype, dest.size))
+                        _copy(dest, self._replied(info, entry.part).array(info.dtype, dest.size))
+                    elif index in placed:
+                        _copy(dest, self._server_memory(reader, entry, placed[index], dest.nbytes).view(info.dtype))
                 first = dests.get((entry.key, entry.part))
                 if delta and self._pulled is not None and first and first[0][0].dtype == np.float32:
                     # sent as it is (a key's first compressed pull): this worker's copy from now on
                     self._pulled.received(entry.key, entry.part, first[0][1])
         return fill
+
+    def _placed(self, header):
+        """({entry index: (segment, offset)}, Reader) of a reply's values in the server's memory,
+        after mapping the segments it offers."""
+        offers, placed = header.meta.get("segments"), header.meta.get("at")
+        if not offers and not placed:
+            return {}, None
+        reader = self._readers.get(header.src)
+        if reader is None:
+            raise ProtocolError(f"a reply from {header.src} names server memory this worker never asked to read")
+        if offers:
+            reader.offered(offers)
+        return {index: (segment, offset) for index, segment, offset in placed or ()}, reader
+
+    @staticmethod
+    def _server_memory(reader, entry, at, nbytes):
+        try:
+            return reader.view(at[0], at[1], nbytes)
+        except ShmRefused as exc:
+            raise ProtocolError(f"reply for key {entry.key!r} part {entry.part}: {exc}") from None
 
     def _squeezed(self, entry, frame, dests, codec, delta):
         """A compressed pull's entry: decoded into its outs (True), or, sent as it is (float32), left
@@ -582,6 +642,10 @@ class DistKVStore(KVStore):
         every sync round, so the others finish theirs; waits until every worker has joined and
         returns the rank of the last one (the one that trained longest)."""
         self.wait_all()
+        if self._ahead is not None:
+            # once joined, rounds close without this worker: a reply kept for a later pull could name
+            # a value in server memory that changes before it is read (kvps/kvstore/order.py)
+            self._ahead = PullAhead()
         self._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in self._node.live_servers()],
                                 f"W{self.rank} joining").wait()
         return int(self._node.barrier("workers")[1:])

@@ -153,6 +153,9 @@ class Store:
         # round_closed(slot, opened, merge_start, closed) and updated(slot, start, end), with time.time()
         # stamps (kvps.metrics.telemetry.Telemetry); None: nothing is timed
         self.observer = None
+        # alloc(slot) -> a new array of the slot's dtype and shape, or None for private memory: the
+        # server points it at its shared value segments (kvps.wire.shm.Values); None: numpy's
+        self.alloc = None
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "pooled": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
                       "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
                       "staleness": self.clocks.staleness}
@@ -215,7 +218,11 @@ class Store:
         if slot.value is not None:
             raise KVKeyError(f"{slot.name()} is already initialised; init a key once")
         slot.dtype, slot.shape = np.dtype(dtype), tuple(shape)
-        slot.value = np.array(array, dtype=slot.dtype, copy=True).reshape(slot.shape)
+        given = np.asarray(array)
+        if given.size != int(np.prod(slot.shape, dtype=np.int64)):
+            raise KVValueError(f"{slot.name()}: an init value of {given.size} elements for shape {slot.shape}")
+        slot.value = self._fresh(slot)
+        np.copyto(slot.value, given.reshape(slot.shape), casting="unsafe")
         done(None)
         waiters, slot.init_waiters = slot.init_waiters, []
         for _, w_dtype, w_shape, w_done in waiters:
@@ -409,9 +416,14 @@ class Store:
         new = self._sum(slot, dense, slot.merge if settled else None)
         slot.merge, slot.value, slot.sent = (slot.value if settled else None), new, []
 
+    def _fresh(self, slot):
+        """New memory for a slot's value or round sum: shared (see `alloc`) where it can be."""
+        array = self.alloc(slot) if self.alloc is not None else None
+        return np.empty(slot.shape, slot.dtype) if array is None else array
+
     def _sum(self, slot, arrays, target):
         if target is None or target.shape != slot.shape:
-            target = np.empty(slot.shape, slot.dtype)
+            target = self._fresh(slot)
         flat = target.reshape(-1)
         if len(arrays) == 1:
             np.copyto(flat, arrays[0].reshape(-1))

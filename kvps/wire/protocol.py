@@ -199,6 +199,9 @@ _SHM_IN = Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: entri
                                                 "shared memory, not in a frame", required=False)
 _SHM_INTO = Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: where to write the entries' "
                                                   "values in shared memory instead of sending them", required=False)
+_MAPPED = Field(INT, "how many of the server's value segments this worker has mapped read-only (absent: none, "
+                     "and none may be offered): the reply may name values in segments 0 .. mapped - 1 "
+                     "instead of writing them into `into`", required=False)
 
 # Chain replication (KVPS_REPLICAS; server/replication.py): which key range a data request is for,
 # and whether it is a copy an upstream server of that range's chain forwarded.
@@ -295,9 +298,10 @@ SCHEMA = {
     Op.PUSH: Message("worker -> server", "add the entries' payloads into their keys; answered with ACK",
                      {"codec": _CODEC, "shm": _SHM_IN, **_REPLICATED}),
     Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE",
-                     {"into": _SHM_INTO, "pull": _PULL, "home": _HOME}),
+                     {"into": _SHM_INTO, "mapped": _MAPPED, "pull": _PULL, "home": _HOME}),
     Op.PUSHPULL: Message("worker -> server", "PUSH, then PULL of the same entries; answered with VALUE",
-                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "pull": _PULL, **_REPLICATED}),
+                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "mapped": _MAPPED, "pull": _PULL,
+                          **_REPLICATED}),
     Op.ROW_SPARSE_PULL: Message("worker -> server", "read some rows: each entry's payload holds int64 row ids "
                                                     "local to its part; answered with VALUE", {"home": _HOME}),
     Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
@@ -309,6 +313,13 @@ SCHEMA = {
     Op.VALUE: Message("server -> worker", "reply carrying the values asked for, a payload per non-empty entry", {
         "shm": Field(ListOf(INT), "the entries (by index) whose values were written into the regions the "
                                   "request named in `into` instead of travelling as payloads", required=False),
+        "at": Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: the entries whose values the worker "
+                                                    "copies straight out of the server's value segment (one it "
+                                                    "said it has mapped)", required=False),
+        "segments": Field(ListOf(Tuple((INT, INT, BYTES))), "[segment, fd, nonce]: the server's value segments "
+                                                           "from the request's `mapped` on, for the worker to map "
+                                                           "read-only (through /proc/<pid>/fd/<fd>, checking the "
+                                                           "nonce at its start)", required=False),
         "codec": Field(_CODEC_RECORD, "compressed pull: the codec of the float32 keys' entries whose dtype is not "
                                       "float32 (a float32 entry travels as it is)", required=False),
         "delta": Field(BOOL, "compressed pull: the entries are changes to add to the worker's copy (weights); "
@@ -367,6 +378,8 @@ SCHEMA = {
                             required=False),
         "shared": Field(INT, "entries whose payload or value went through shared memory (kvps/wire/shm.py)",
                         required=False),
+        "placed": Field(INT, "reply entries that co-located workers copied straight out of the server's value "
+                             "segments (kvps/wire/shm.py)", required=False),
         "forwarded": Field(INT, "requests forwarded to the next server of a key range's chain (KVPS_REPLICAS)",
                            required=False),
     }),

@@ -17,15 +17,30 @@ Within its segments the worker keeps one region per (key, part) and direction:
     caller's `out` and reuses the region only once that reply has arrived.
 A region still in use sends its entry over TCP instead, so nothing ever waits for a region.
 
+The other way, a server keeps the values of its big keys in segments of its own (Values), and a
+co-located worker maps them read-only (Reader) and copies a pulled value straight out of them:
+the server copies nothing into the worker's reply region. Its replies offer each new segment
+(descriptor and nonce), the worker maps it with the same checks, and its later requests say how
+many it has mapped. Why no value changes under a reader is kvps/kvstore/order.py's rule, in the
+modes where the server answers this way (dist_sync without backup workers).
+
     arena = Arena("S0", attach)          # worker side; attach(segment) sends ATTACH and waits
     region = arena.region(("w", 0, "push"), nbytes)    # or None: no room / shm refused
     mapped = Mapped(pid)                 # server side, one per worker
     mapped.attach(fd, segment, nonce)    # raises ShmRefused naming what did not fit
     view = mapped.view(segment, offset, nbytes)
+
+    values = Values()                    # server side: where its big values live
+    array = values.alloc(("w", 0), dtype, shape)        # or None: small, or the key has its two
+    segment, offset = values.locate(array)               # or None: not in a segment
+    reader = Reader("S0", pid)           # worker side, one per co-located server
+    reader.offered(values.offers(reader.claim()))        # maps the new segments read-only
+    view = reader.view(segment, offset, nbytes)
 """
 import logging
 import mmap
 import os
+import threading
 
 import numpy as np
 
@@ -162,10 +177,12 @@ def _view(segment, offset, nbytes):
 
 
 class Mapped:
-    """The segments of one worker that a server has mapped (server side)."""
+    """The segments of another process mapped into this one: a worker's, by a server (writable: the
+    server writes replies into them), or a server's values, by a worker (read-only)."""
 
-    def __init__(self, pid):
+    def __init__(self, pid, writable=True):
         self.pid = pid
+        self.writable = writable
         self._maps = {}                  # segment id -> np.uint8 view of the whole segment
 
     def attach(self, fd, segment, nonce):
@@ -178,26 +195,27 @@ class Mapped:
         try:
             target = os.readlink(path)
         except OSError as exc:
-            raise ShmRefused(f"cannot see the worker's descriptor ({exc.strerror}): another host or "
+            raise ShmRefused(f"cannot see descriptor {fd} of pid {self.pid} ({exc.strerror}): another host or "
                              f"pid namespace") from None
         if not target.startswith(f"/memfd:{PREFIX}"):
             raise ShmRefused(f"descriptor {fd} of pid {self.pid} is not a kvps memfd")
         try:
-            handle = os.open(path, os.O_RDWR)
+            handle = os.open(path, os.O_RDWR if self.writable else os.O_RDONLY)
         except OSError as exc:
-            raise ShmRefused(f"cannot open the worker's segment ({exc.strerror})") from None
+            raise ShmRefused(f"cannot open the segment ({exc.strerror})") from None
         try:
             size = os.fstat(handle).st_size
             if size < 64:
                 raise ShmRefused(f"segment {segment} is {size} bytes")
-            area = mmap.mmap(handle, size, flags=_FLAGS)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            area = mmap.mmap(handle, size, flags=_FLAGS, prot=prot)
         except OSError as exc:
-            raise ShmRefused(f"cannot map the worker's segment ({exc.strerror})") from None
+            raise ShmRefused(f"cannot map the segment ({exc.strerror})") from None
         finally:
             os.close(handle)
         if area[:NONCE_BYTES] != nonce:
             area.close()
-            raise ShmRefused("the segment does not hold the worker's nonce: another host shares its pid")
+            raise ShmRefused("the segment does not hold its owner's nonce: another host shares its pid")
         self._maps[segment] = np.frombuffer(area, np.uint8)
 
     def view(self, segment, offset, nbytes):
@@ -209,3 +227,121 @@ class Mapped:
             raise ShmRefused(f"bytes {offset}..{offset + nbytes} are outside segment {segment} "
                              f"({area.size} bytes)")
         return area[offset:offset + nbytes]
+
+
+BLOCKS = 2      # a key's value and the buffer its next round is summed into (kvps/ps/store.py swaps them)
+
+
+class Values:
+    """A server's segments holding the values of its big keys, which co-located workers map
+    read-only and copy pulls out of (server side).
+
+    Each key gets at most BLOCKS blocks, handed out once and never moved: the store sums a round
+    into one while the other holds the value, then swaps them. A key whose value must move to
+    fresh memory (a TCP reply still sends from the old one) gets private memory from then on, and
+    its replies go the copying way."""
+
+    def __init__(self, segment_bytes=SEGMENT_BYTES):
+        self._segment_bytes = segment_bytes
+        self._segments = []              # Segment
+        self._starts = []                # each segment's address in this process
+        self._given = {}                 # owner -> blocks handed out
+        self._lock = threading.Lock()    # alloc runs on the merge pool's threads too (kvps/ps/pool.py)
+        self.refused = None              # why no segment can be made, once known
+
+    @property
+    def count(self):
+        return len(self._segments)
+
+    def alloc(self, owner, dtype, shape):
+        """A new array of `dtype` and `shape` in a segment, for `owner` (a slot id), or None: too
+        small to share, `owner` has its BLOCKS blocks already, or no segment can be made."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        if nbytes < MIN_BYTES:
+            return None
+        with self._lock:
+            if self.refused is not None or self._given.get(owner, 0) >= BLOCKS:
+                return None
+            place = self._take(nbytes)
+            if place is None:
+                return None
+            self._given[owner] = self._given.get(owner, 0) + 1
+        segment, offset = place
+        return np.frombuffer(segment.map, dtype, count, offset).reshape(shape)
+
+    def _take(self, nbytes):
+        for segment in self._segments[-1:]:
+            offset = segment.take(nbytes)
+            if offset is not None:
+                return segment, offset
+        if len(self._segments) >= MAX_SEGMENTS:
+            return None
+        try:
+            segment = Segment(len(self._segments), max(self._segment_bytes, nbytes + 64))
+        except OSError as exc:
+            self.refused = f"cannot make a memfd segment: {exc}"
+            log.info("values in private memory from now on: %s", self.refused)
+            return None
+        self._segments.append(segment)
+        self._starts.append(np.frombuffer(segment.map, np.uint8, 1).ctypes.data)
+        return segment, segment.take(nbytes)
+
+    def locate(self, array):
+        """(segment, offset) of a C-contiguous array that lies in one of the segments, else None."""
+        if not array.flags.c_contiguous:
+            return None
+        address = array.ctypes.data
+        for segment, start in zip(self._segments, self._starts):
+            if start <= address and address + array.nbytes <= start + segment.size:
+                return segment.id, address - start
+        return None
+
+    def offers(self, start):
+        """[[segment, fd, nonce]] of the segments from number `start` on, for a reply to offer."""
+        return [[s.id, s.fd, s.nonce] for s in self._segments[start:]]
+
+    def close(self):
+        for segment in self._segments:
+            segment.close()
+        self._segments, self._starts = [], []
+
+
+class Reader:
+    """The value segments of one co-located server that this worker has mapped read-only (worker
+    side). claim() is what the worker's requests tell the server: how many segments it may name
+    in a reply (None once mapping failed: the server then copies, as to any worker)."""
+
+    def __init__(self, server, pid):
+        self.server = server
+        self._mapped = Mapped(pid, writable=False)
+        self._lock = threading.Lock()    # replies are read on the I/O thread and, pulled ahead, the caller's
+        self.count = 0                   # segments 0 .. count - 1 are mapped
+        self.refused = None
+
+    def claim(self):
+        return None if self.refused is not None else self.count
+
+    def offered(self, offers):
+        """Map the segments a reply offers ([[segment, fd, nonce]], numbered on from 0)."""
+        with self._lock:
+            for segment, fd, nonce in offers:
+                if self.refused is not None:
+                    return
+                if segment < self.count:
+                    continue                         # offered again by a reply sent before we said
+                if segment != self.count:
+                    self.refused = f"{self.server} offered segment {segment} before segment {self.count}"
+                else:
+                    try:
+                        self._mapped.attach(fd, segment, nonce)
+                        self.count += 1
+                        continue
+                    except ShmRefused as exc:
+                        self.refused = str(exc)
+                log.info("reading %s's values by copy: %s", self.server, self.refused)
+
+    def view(self, segment, offset, nbytes):
+        """nbytes of a mapped segment at offset (read-only np.uint8); raises ShmRefused."""
+        return self._mapped.view(segment, offset, nbytes)

@@ -1,6 +1,7 @@
 """Shared memory between co-located workers and servers (kvps/wire/shm.py), with real processes:
 the same results as TCP in every call pattern (split keys over 2 servers included), pushes that
-return early still send what was pushed, KVPS_SHM=0 and another host address keep to TCP, a killed
+return early still send what was pushed, pulls read straight out of the server's memory where
+(and only where) no value can change under the reader, KVPS_SHM=0 and another host address keep to TCP, a killed
 job leaves nothing behind, and a server refuses segments it must not map and keeps serving.
 
 `KVPS_SHM=0 ./run test -m cluster` runs the whole cluster tier over TCP; on loopback it runs over
@@ -41,7 +42,8 @@ for step in range(3):
     kv.pull(list(shapes), out=o, async_op=True).wait()
     got[f"async{step}"] = {k: float(x.mean()) for k, x in zip(shapes, o)}
 stats = kv.server_stats()
-print(json.dumps({"rank": r, "got": got, "shared": sum(s.get("shared", 0) for s in stats.values())}), flush=True)
+print(json.dumps({"rank": r, "got": got, "shared": sum(s.get("shared", 0) for s in stats.values()),
+                  "placed": sum(s.get("placed", 0) for s in stats.values())}), flush=True)
 kv.close()
 '''
 
@@ -63,7 +65,7 @@ def _check(results, workers):
             for key, got in res["got"][name].items():
                 lo, hi = (got, got) if not isinstance(got, list) else got
                 assert lo == hi == value, (res["rank"], name, key, got, value)
-    return results[0][0]["shared"]
+    return results[0][0]["shared"], results[0][0]["placed"]
 
 
 @pytest.mark.parametrize("servers", [1, 2])
@@ -74,8 +76,9 @@ def test_shared_memory_gives_the_same_results_as_tcp(tmp_path, servers):
         with Cluster(tmp_path / f"shm{shm}", workers=2, servers=servers, env={"KVPS_SHM": shm}) as c:
             shared[shm] = _check(c.run_workers(CALLS, timeout=120), 2)
             assert c.wait_daemons() == [0] * (servers + 1)
-    assert shared["1"] > 0, "nothing went through shared memory on one host"
-    assert shared["0"] == 0, "KVPS_SHM=0 still used shared memory"
+    assert shared["1"][0] > 0, "nothing went through shared memory on one host"
+    assert shared["1"][1] > 0, "no pull was read straight out of the server's memory"
+    assert shared["0"] == (0, 0), "KVPS_SHM=0 still used shared memory"
 
 
 def test_a_worker_on_another_address_keeps_to_tcp(tmp_path):
@@ -83,8 +86,58 @@ def test_a_worker_on_another_address_keeps_to_tcp(tmp_path):
     # (emulated hosts have their own addresses and the same pid namespace).
     with Cluster(tmp_path, workers=1, servers=1) as c:
         (res,), = c.run_workers(CALLS, timeout=120, env={"KVPS_HOST": "127.0.0.2"})
-        assert res["shared"] == 0
+        assert res["shared"] == res["placed"] == 0
         assert res["got"]["loop0"]["big"] == 1.0
+
+
+# Pulls read straight out of the server's value segments: in dist_sync with a server optimizer
+# (each round updates the value in place), with calls that return at once and a next push issued
+# before the last pull is in (kvps/kvstore/order.py makes it wait for that pull's copy); in
+# dist_async the servers copy every reply, since a value changes on any worker's push.
+PIPELINED = r'''
+import json, os, numpy as np, kvps
+kv = kvps.create(os.environ["MODE"])
+r, n, steps = kv.rank, kv.num_workers, 6
+shape = (400, 1000)                            # 1.6 MB, split over the servers
+kv.init("w", np.zeros(shape, np.float32))
+if kv.type == "dist_sync":
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.5))
+warm = np.zeros(shape, np.float32)
+kv.pushpull("w", warm, out=warm)               # zeros change nothing; the worker maps the server's segments
+outs = [np.full(shape, np.nan, np.float32) for _ in range(steps)]
+grad = np.empty(shape, np.float32)
+for step in range(steps):
+    grad[...] = r + 1
+    kv.push("w", grad, async_op=True)
+    kv.pull("w", out=outs[step], async_op=True)    # the next push goes before this is waited for
+kv.wait_all()
+kv.barrier()
+final = np.zeros(shape, np.float32)
+kv.pull("w", out=final)
+stats = kv.server_stats()
+print(json.dumps({"rank": r, "outs": [[float(o.min()), float(o.max())] for o in outs],
+                  "final": [float(final.min()), float(final.max())],
+                  "placed": sum(s.get("placed", 0) for s in stats.values())}), flush=True)
+kv.close()
+'''
+
+
+@pytest.mark.parametrize("mode", ["dist_sync", "dist_async"])
+def test_pulls_read_out_of_server_memory_only_where_no_value_changes_under_a_reader(tmp_path, mode):
+    with Cluster(tmp_path, workers=2, servers=2, env={"MODE": mode, "KVPS_SHM": "1"}) as c:
+        results = [res for (res,) in c.run_workers(PIPELINED, timeout=120)]
+        assert c.wait_daemons() == [0, 0, 0]
+    total = 1 + 2                                  # both workers' gradients, every step
+    for res in results:
+        final = -0.5 * total * 6 if mode == "dist_sync" else total * 6
+        assert res["final"] == [final, final], res
+        if mode == "dist_sync":
+            # Pull t returns round t's value: the next push waited until it was copied out of the
+            # server's memory, so round t + 1 could not close first (over TCP it may see a later
+            # round). Every out is one round's value, never a mix of two.
+            assert res["outs"] == [[-0.5 * total * (t + 1)] * 2 for t in range(6)], res
+    placed = results[0]["placed"]
+    assert (placed > 0) if mode == "dist_sync" else (placed == 0), results
 
 
 HOLD = r'''

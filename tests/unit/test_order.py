@@ -1,5 +1,7 @@
 """kvps/kvstore/order.py: which way a call goes (its lane or the I/O thread) and what it waits for
 first, so that a key's calls keep their order."""
+import threading
+
 from kvps.kvstore.order import Order
 from kvps.wire.lane import LaneHandle
 from kvps.wire.requests import Handle
@@ -98,3 +100,22 @@ def test_answered_requests_are_forgotten():
     io._answered(1)
     order.route(["k"], None)
     assert order._last == {}
+
+
+def test_a_request_read_out_of_server_memory_is_waited_for_by_the_next_call_on_its_keys():
+    # its reply is copied out of the server's value when it arrives; until then no later call naming
+    # the key may go, whichever way, or it could close the round that changes that value
+    order, lane = Order(), FakeLane()
+    pulled = lane_handle(lane, "pull k")
+    order.sent(["k"], pulled, reads=True)
+    assert order.route(["k"], lane) is lane
+    assert lane.waited == ["pull k"]
+    io = io_handle("pull j")
+    order.sent(["j"], io, reads=True)
+    order.sent(["i"], io_handle("push i"))
+
+    timer = threading.Timer(0.05, io._answered, (1,))
+    timer.start()
+    assert order.route(["j"], None) is None and io.done()       # waited on the same path too
+    assert order.route(["i"], None) is None                     # a plain request is not waited for
+    timer.join()
