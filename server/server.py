@@ -143,8 +143,10 @@ class Reply:
             squeezed = self.squeezed
 
             def sent_from_values(tracker):      # only a reply big enough to be sent without a copy has one
+                # the entries whose payload zmq sends straight from a value (not compressed, not in
+                # shared memory): their slots must not change that value until zmq is done with it
                 for i, e in enumerate(h.keys):
-                    if i not in squeezed:
+                    if i not in squeezed and entries[i].nbytes:
                         server.store.sent(e.key, e.part, tracker)
             server.answer(self.routing_id, h, reply, payloads, on_tracker=sent_from_values)
 
