@@ -142,27 +142,25 @@ class Arena:
         return self._regions.get(slot)
 
     def _new(self, nbytes):
-        for segment in self._segments[-1:]:
-            offset = segment.take(nbytes)
-            if offset is not None:
-                return Region(segment.id, offset, nbytes, _view(segment, offset, nbytes))
-        if len(self._segments) >= MAX_SEGMENTS:
-            return None
         try:
-            segment = Segment(len(self._segments), max(self._segment_bytes, nbytes + 64))
+            room = _room(self._segments, nbytes, self._segment_bytes)
         except OSError as exc:
             self.refused = f"cannot make a memfd segment: {exc}"
             log.info("shared memory with %s off: %s", self.server, self.refused)
             return None
-        try:
-            self._attach(segment.id, segment.fd, segment.nonce)
-        except ShmRefused as exc:
-            segment.close()
-            self.refused = str(exc)
-            log.info("shared memory with %s off: %s", self.server, self.refused)
+        if room is None:
             return None
-        self._segments.append(segment)
-        offset = segment.take(nbytes)
+        segment, offset = room
+        if offset is None:               # a new segment: the server maps it before any request names it
+            try:
+                self._attach(segment.id, segment.fd, segment.nonce)
+            except ShmRefused as exc:
+                segment.close()
+                self.refused = str(exc)
+                log.info("shared memory with %s off: %s", self.server, self.refused)
+                return None
+            self._segments.append(segment)
+            offset = segment.take(nbytes)
         return Region(segment.id, offset, nbytes, _view(segment, offset, nbytes))
 
     def close(self):
@@ -170,6 +168,19 @@ class Arena:
         for segment in self._segments:
             segment.close()
         self._segments = []
+
+
+def _room(segments, nbytes, segment_bytes):
+    """Room for nbytes after `segments` (a process's own, filled in order): (segment, offset) in the
+    last one, or (a new Segment numbered after them, None), or None once there are MAX_SEGMENTS.
+    Raises OSError when no memfd can be made."""
+    for segment in segments[-1:]:
+        offset = segment.take(nbytes)
+        if offset is not None:
+            return segment, offset
+    if len(segments) >= MAX_SEGMENTS:
+        return None
+    return Segment(len(segments), max(segment_bytes, nbytes + 64)), None
 
 
 def _view(segment, offset, nbytes):
@@ -272,21 +283,18 @@ class Values:
         return np.frombuffer(segment.map, dtype, count, offset).reshape(shape)
 
     def _take(self, nbytes):
-        for segment in self._segments[-1:]:
-            offset = segment.take(nbytes)
-            if offset is not None:
-                return segment, offset
-        if len(self._segments) >= MAX_SEGMENTS:
-            return None
         try:
-            segment = Segment(len(self._segments), max(self._segment_bytes, nbytes + 64))
+            room = _room(self._segments, nbytes, self._segment_bytes)
         except OSError as exc:
             self.refused = f"cannot make a memfd segment: {exc}"
             log.info("values in private memory from now on: %s", self.refused)
             return None
-        self._segments.append(segment)
-        self._starts.append(np.frombuffer(segment.map, np.uint8, 1).ctypes.data)
-        return segment, segment.take(nbytes)
+        if room is not None and room[1] is None:
+            segment = room[0]
+            self._segments.append(segment)
+            self._starts.append(np.frombuffer(segment.map, np.uint8, 1).ctypes.data)
+            room = segment, segment.take(nbytes)
+        return room
 
     def locate(self, array):
         """(segment, offset) of a C-contiguous array that lies in one of the segments, else None."""
