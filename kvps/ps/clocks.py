@@ -11,7 +11,8 @@ Pure bookkeeping, no values and no sockets: the Store asks and acts. Each slot c
 
 and the rules are (kvps/ps/consistency.py names the modes, docs/consistency.md explains them):
 
-    sync      a pull waits until the round of the worker's own last push has closed
+    sync      a pull waits until the round of the worker's own last push before it has closed, and
+              then returns that round's value
     sync, b   a round is complete after W - b pushes; a push from a worker that has not pulled
               the latest closed round, or that is already in the open round, is stale: dropped
     async     a pull never waits
@@ -43,11 +44,12 @@ class Clocks:
         return [w for w in range(self.num_workers) if w not in self.joined and w not in self.removed]
 
     # ---- pulls ----
-    def pull_state(self, slot, worker):
-        """None: the pull may return now; WAIT: it must wait; an exception: it never can."""
+    def pull_state(self, slot, worker, pushed):
+        """None: the pull may return now; WAIT: it must wait; an exception: it never can. `pushed`:
+        the worker's clock on the slot when the pull came (sync: the round it must see)."""
         c = self.consistency
         if c.mode == "sync":
-            return WAIT if slot.pushes.get(worker, 0) > slot.version else None
+            return WAIT if pushed > slot.version else None
         if not c.bounded:
             return None
         bound = slot.pushes.get(worker, 0) - c.staleness

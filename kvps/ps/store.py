@@ -344,7 +344,7 @@ class Store:
             for ack in acks:
                 ack(error)
             waiters, slot.pull_waiters = slot.pull_waiters, []
-            for _, done, _ in waiters:
+            for _, done, _, _ in waiters:
                 done(error)
             return
         for worker in members:
@@ -462,16 +462,19 @@ class Store:
 
     def pull(self, worker, key, part, done, rows=None):
         """done(array) with the value (or the given local rows of it) once this worker's pushes
-        are applied. The array may be sent without copying: see `sent`."""
+        so far are applied (in sync mode: the value of the round of its last push before this pull,
+        as MXNet's engine orders a pull between two pushes, even if later pushes are in already).
+        The array may be sent without copying: see `sent`."""
         slot = self.slot(key, part)
         if rows is not None:
             self.check_rows(slot, rows)
         self.stats["pulls"] += 1
-        state = WAIT if slot.busy else self.clocks.pull_state(slot, worker)
+        pushed = slot.pushes.get(worker, 0)
+        state = WAIT if slot.busy else self.clocks.pull_state(slot, worker, pushed)
         if state is WAIT:
             if self.mode == "ssp":
                 self.stats["ssp_waits"] += 1
-            slot.pull_waiters.append((worker, done, rows))
+            slot.pull_waiters.append((worker, done, rows, pushed))
         elif state is None:
             self._deliver(slot, worker, done, rows)
         else:
@@ -486,10 +489,10 @@ class Store:
     def _release_pulls(self, slot):
         """Answer the waiting pulls that may return now (or never can)."""
         waiters, slot.pull_waiters = slot.pull_waiters, []
-        for worker, done, rows in waiters:
-            state = WAIT if slot.busy else self.clocks.pull_state(slot, worker)
+        for worker, done, rows, pushed in waiters:
+            state = WAIT if slot.busy else self.clocks.pull_state(slot, worker, pushed)
             if state is WAIT:
-                slot.pull_waiters.append((worker, done, rows))
+                slot.pull_waiters.append((worker, done, rows, pushed))
             elif state is None:
                 self._deliver(slot, worker, done, rows)
             else:
@@ -586,7 +589,7 @@ class Store:
                 slot.early = []
                 for ack in acks:
                     ack(error)
-                for _, done, _ in slot.pull_waiters:
+                for _, done, _, _ in slot.pull_waiters:
                     done(error)
                 slot.pull_waiters = []
 

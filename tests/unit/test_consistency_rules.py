@@ -127,6 +127,21 @@ def _lockstep(mode, grads, init, lr=0.25):
     return pulls, store
 
 
+def test_a_sync_pull_between_two_pushes_gets_the_round_of_the_first():
+    # MXNet's engine orders a pull between a worker's two pushes of a key: it reads the first one's
+    # round, even when the second push is already queued at the server for the next round
+    store, log = _store("sync", 2, np.zeros(4, np.float32))
+    seen = []
+    store.push(0, "w", 0, np.full(4, 1.0, np.float32), log.cb("push0 t1"))
+    store.pull(0, "w", 0, lambda v: seen.append(float(v[0])))     # waits for round 1
+    store.push(0, "w", 0, np.full(4, 10.0, np.float32), log.cb("push0 t2"))     # queued for round 2
+    store.push(1, "w", 0, np.full(4, 2.0, np.float32), log.cb("push1 t1"))      # round 1 closes
+    assert seen == [3.0]
+    store.push(1, "w", 0, np.full(4, 20.0, np.float32), log.cb("push1 t2"))     # round 2 closes
+    store.pull(0, "w", 0, lambda v: seen.append(float(v[0])))
+    assert seen == [3.0, 30.0] and log.names() == ["init", "push0 t1", "push1 t1", "push0 t2", "push1 t2"]
+
+
 def test_ssp_zero_equals_sync_bit_for_bit():
     rng = np.random.default_rng(7)
     W, steps = 3, 5
