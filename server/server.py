@@ -587,6 +587,8 @@ class Server(Node):
         claim = header.meta.get("mapped")
         if claim is None or self.values is None or worker in self.store.joined:
             return None
+        if claim < 0:
+            raise ProtocolError(f"{header.op.name} meta mapped={claim} is negative (segments mapped: 0 or more)")
         return claim
 
     def _check_all(self, entries):

@@ -14,6 +14,9 @@ import pytest
 
 from harness import Cluster
 
+# These tests are about shared memory itself: on, even where the tier runs over TCP (KVPS_SHM=0).
+SHM_ON = {"KVPS_SHM": "1"}
+
 # Big enough to travel through shared memory (kvps/wire/shm.py MIN_BYTES), split over the servers
 # (KVPS_BIGARRAY_BOUND), with small keys beside them that travel inline.
 CALLS = r'''
@@ -84,7 +87,7 @@ def test_shared_memory_gives_the_same_results_as_tcp(tmp_path, servers):
 def test_a_worker_on_another_address_keeps_to_tcp(tmp_path):
     # 127.0.0.2 is this machine too, but for kvps another host: its worker must not share memory
     # (emulated hosts have their own addresses and the same pid namespace).
-    with Cluster(tmp_path, workers=1, servers=1) as c:
+    with Cluster(tmp_path, workers=1, servers=1, env=SHM_ON) as c:
         (res,), = c.run_workers(CALLS, timeout=120, env={"KVPS_HOST": "127.0.0.2"})
         assert res["shared"] == res["placed"] == 0
         assert res["got"]["loop0"]["big"] == 1.0
@@ -159,7 +162,7 @@ time.sleep(60)
 
 def test_a_killed_job_leaves_no_segments(tmp_path):
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    with Cluster(tmp_path, workers=1, servers=1) as c:
+    with Cluster(tmp_path, workers=1, servers=1, env=SHM_ON) as c:
         (proc,) = c.spawn_workers(HOLD)
         log = tmp_path / "W0.log"
         from harness import wait_for
@@ -205,6 +208,12 @@ try:   # segment 0 is attached now: a region past its end
     h.wait(10); r["outside"] = "accepted"
 except Exception as exc:
     r["outside"] = type(exc).__name__ + ": " + str(exc)
+try:   # a pull that says it has mapped a negative number of the server's value segments
+    h = node.request("S0", Header(Op.PULL, keys=[["w", 0, 0, [1 << 16], 0]],
+                                  meta={"into": [[0, 0, 64]], "mapped": -1}), "negative claim")
+    h.wait(10); r["negative"] = "accepted"
+except Exception as exc:
+    r["negative"] = type(exc).__name__ + ": " + str(exc)
 kv.pushpull("w", np.full(1 << 16, 3.0, np.float32), out=out)
 r["again"] = float(out.mean())
 r["shared"] = sum(s.get("shared", 0) for s in kv.server_stats().values())
@@ -214,7 +223,7 @@ kv.close()
 
 
 def test_a_server_refuses_segments_it_must_not_map(tmp_path):
-    with Cluster(tmp_path, workers=1, servers=1) as c:
+    with Cluster(tmp_path, workers=1, servers=1, env=SHM_ON) as c:
         (res,), = c.run_workers(HOSTILE, timeout=60)
         assert c.wait_daemons() == [0, 0]
     assert "registered as pid" in res["other_pid"], res
@@ -222,4 +231,5 @@ def test_a_server_refuses_segments_it_must_not_map(tmp_path):
     assert "nonce" in res["bad_nonce"], res
     assert "attached" in res["unattached"], res
     assert "outside segment 0" in res["outside"], res
+    assert "mapped=-1 is negative" in res["negative"], res
     assert res["after"] == 2.0 and res["again"] == 3.0 and res["shared"] > 0, res
