@@ -49,6 +49,18 @@ def test_parse_size_refuses(text):
         workloads.parse_size(text)
 
 
+def test_the_shared_memory_target_is_judged_only_with_shared_memory_on(monkeypatch):
+    from types import SimpleNamespace
+    from kvps.tools.bench import pushpull
+    rows = [{"workload": "resnet50", "bytes": 1, "mode": "pushpull", "ratio": 0.3}]
+    args = SimpleNamespace(workers=2, servers=1, kvtype="dist_sync", resnet_steps=5, repeat=1)
+    for shm, met in (("1", False), ("0", None)):
+        monkeypatch.setenv("KVPS_SHM", shm)
+        judged = {t["limit"]: t for t in pushpull.judge(rows, args) if t["mode"] == "pushpull"}
+        assert judged[0.5]["met"] is True and judged[0.25]["met"] is met, judged
+    assert "n/a: set for shared memory (KVPS_SHM=0 here)" in pushpull.report([], list(judged.values()), args, True)
+
+
 def test_quick_run_prints_a_table_with_numbers(tmp_path):
     out = tmp_path / "results.json"
     done = run_bench(["--quick", "--sizes", "1KB,4KB", "--resnet-steps", "1", "--timeout", "45",
