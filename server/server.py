@@ -576,16 +576,17 @@ class Server(Node):
         mapped.attach(meta["fd"], meta["segment"], meta["nonce"])
         self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
 
-    def _reads(self, header, worker):
+    def _reads(self, header, worker, into):
         """How many of our value segments a co-located worker has mapped (its request's "mapped"),
-        when its reply may name values in them instead of copying them; else None.
+        when its reply may name values in them instead of copying them into `into` (the request's
+        reply regions); else None.
 
         Only in dist_sync without backup workers (self.values is None otherwise), where a value
         changes only when a round closes, which needs every worker's next push of the key; a worker
         sends none until it has copied what it read (kvps/kvstore/order.py). A worker that has
         joined (Horovod's join) counts as pushing zeros, so rounds close without it: it gets copies."""
         claim = header.meta.get("mapped")
-        if claim is None or self.values is None or worker in self.store.joined:
+        if not into or claim is None or self.values is None or worker in self.store.joined:
             return None
         if claim < 0:
             raise ProtocolError(f"{header.op.name} meta mapped={claim} is negative (segments mapped: 0 or more)")
@@ -618,7 +619,7 @@ class Server(Node):
         self._check_all(entries)
         into = self._shared(header, "into") if then_pull else None
         reply = Reply(self, routing_id, header, len(entries), values=then_pull, into=into,
-                      reads=self._reads(header, worker) if into else None)
+                      reads=self._reads(header, worker, into))
         if then_pull:
             reply.compress(worker, header.meta.get("pull"))
         for i, (e, array) in enumerate(entries):
@@ -647,7 +648,7 @@ class Server(Node):
             self.store.slot(e.key, e.part)
         into = self._shared(header, "into")
         reply = Reply(self, routing_id, header, len(header.keys), values=True, into=into,
-                      reads=self._reads(header, worker) if into else None)
+                      reads=self._reads(header, worker, into))
         reply.compress(worker, header.meta.get("pull"))
         for i, e in enumerate(header.keys):
             self.store.pull(worker, e.key, e.part, reply.callback(i))

@@ -95,12 +95,13 @@ def _flags(a):
 
 
 def _array(op, name, a, dtypes, writeable=False):
+    """`a`, checked: a C-contiguous numpy array of one of `dtypes` (None: any), writeable if asked."""
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{op}: {name} must be a numpy array, got {type(a).__name__}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{op}: {name} {a.dtype} {a.shape} is not C-contiguous (flags: {_flags(a)}); "
                          f"pass np.ascontiguousarray({name})")
-    if a.dtype not in dtypes:
+    if dtypes is not None and a.dtype not in dtypes:
         raise ValueError(f"{op}: {name} is {a.dtype} {a.shape}; expected {' or '.join(d.name for d in dtypes)}")
     if writeable and not a.flags.writeable:
         raise ValueError(f"{op}: {name} {a.dtype} {a.shape} is read-only (flags: {_flags(a)})")
@@ -140,13 +141,8 @@ def copy(dst, src):
     """dst[:] = src, byte for byte (any dtypes, the same number of bytes). The C backend streams
     big copies past the cache (csrc/kvps_kernels.h: kvps_copy): shared-memory pushes and pulls
     copy whole models that nobody reads again soon."""
-    for name, a in (("dst", dst), ("src", src)):
-        if not isinstance(a, np.ndarray):
-            raise TypeError(f"copy: {name} must be a numpy array, got {type(a).__name__}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"copy: {name} {a.dtype} {a.shape} is not C-contiguous (flags: {_flags(a)})")
-    if not dst.flags.writeable:
-        raise ValueError(f"copy: dst {dst.dtype} {dst.shape} is read-only (flags: {_flags(dst)})")
+    _array("copy", "src", src, None)
+    _array("copy", "dst", dst, None, writeable=True)
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy: dst is {dst.dtype} {dst.shape} ({dst.nbytes} bytes) but src is {src.dtype} "
                          f"{src.shape} ({src.nbytes} bytes); they must have the same size in bytes")
