@@ -724,6 +724,12 @@ class Server(Node):
                 raise KVValueError(f"{self.name} is writing a checkpoint and already has {MAX_EARLY} more waiting")
             self._queued_saves.append((routing_id, header, payloads, worker))
             return
+        if header.meta.get("taken"):
+            # The fence a periodic checkpoint sends after its SAVE on the same connection (the saving
+            # worker's next push may take another one): that save has taken its copy, or was queued
+            # before this and has now.
+            self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
+            return
         hold = header.meta.get("hold", False)
         records = self.store.export(copy=not hold)
         if home is not None:        # KVPS_REPLICAS: this range's shard only (replicas hold others)

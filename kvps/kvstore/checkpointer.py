@@ -46,10 +46,12 @@ class Checkpointer:
         self._resume = None              # the KVPS_RESUME manifest, read once
 
     # ---- saving ----
-    def start_save(self, path, step=None, dump_optimizer=False, hold=False):
+    def start_save(self, path, step=None, dump_optimizer=False, hold=False, taken=False):
         """Send SAVE to every server (they copy their state on arrival, or, with `hold`, when every
         worker waits for the save, write it as it is and hold back what would change it); returns
-        finish(), which waits for the shards and writes the manifest."""
+        finish(), which waits for the shards and writes the manifest. With `taken`, return only once
+        every server has copied its state: the pushes sent next may go on other connections (the
+        calling thread's lanes), which could otherwise reach a server first."""
         path = os.path.abspath(path)
         os.makedirs(path, exist_ok=True)
         previous = checkpoint.shard_files(path)
@@ -68,6 +70,10 @@ class Checkpointer:
         else:
             items = [(f"S{s}", Header(Op.SAVE, meta=meta), (), keep(s)) for s in range(self.num_servers)]
         handle = self.node.request_many(items, f"checkpoint to {path}")
+        if taken:       # a fence after each SAVE, on the same connection
+            fences = [(peer, Header(Op.SAVE, meta=dict(header.meta, taken=True)), (), None)
+                      for peer, header, _, _ in items]
+            self.node.request_many(fences, f"the servers to copy their state for the checkpoint to {path}").wait()
         layout = [{"key": info.key, "dtype": info.dtype.name, "shape": list(info.shape),
                    "parts": [[p.index, p.server, p.row_start, p.row_stop] for p in info.parts]}
                   for info in list(self.keys.values())]
@@ -146,7 +152,7 @@ class Checkpointer:
             return
         self._due = False
         wait_all()          # this worker's pushes are in: the cut is at a step boundary
-        finish = self.start_save(self.cfg.checkpoint_dir, self.step)
+        finish = self.start_save(self.cfg.checkpoint_dir, self.step, taken=True)
         self._thread = threading.Thread(target=self._finish, args=(finish,), name="kvps-checkpoint")
         self._thread.start()
 

@@ -396,6 +396,9 @@ SCHEMA = {
                       required=False),
         "home": Field(INT, "KVPS_REPLICAS: save the ranges of this home rank (the shard is named after it)",
                       required=False),
+        "taken": Field(BOOL, "a fence sent after SAVE `save` on the same connection: answered (ACK) once that "
+                             "save has copied the state, before its file is written (periodic checkpoints)",
+                       required=False),
     }),
     Op.LOAD: Message("W0 -> server", "restore the entries' (key, part)s from checkpoint `path`, whatever server "
                                      "count saved it (the server reads the rows it now holds); answered with ACK", {

@@ -172,3 +172,54 @@ def test_every_worker_saving_optimizer_states_at_once(cluster, tmp_path):
     for source in (states, tmp_path / "states1"):
         got = cluster(2, 1, env=ENV).run_workers(OPT_SAVE, timeout=60, env=dict(env, PHASE="load", FROM=str(source)))
         assert got == want, source
+
+
+SLOW_SAVE = r'''
+import hashlib, json, os, time, numpy as np, kvps
+from kvps.wire import protocol
+kv = kvps.create("dist_sync")
+r = kv.rank
+if r == 0:
+    # The I/O thread is slow to send SAVE (as on a loaded machine), while this thread's small pushes
+    # go on its own connections (kvps/wire/lane.py): the push after a periodic SAVE must still
+    # reach the servers after it.
+    van = kv._node.van
+    send_now = van._send_now
+    def slow(peer, frames, done):
+        header = protocol.decode(frames[0])
+        if header.op == protocol.Op.SAVE and not header.meta.get("taken"):
+            time.sleep(0.3)
+        send_now(peer, frames, done)
+    van._send_now = slow
+kv.init(["a", "b"], [np.zeros(64, np.float32), np.zeros(32, np.float32)])
+outs = [np.zeros(64, np.float32), np.zeros(32, np.float32)]
+seen = {}
+for step in range(int(os.environ["STEPS"])):
+    seen[str(step)] = hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()   # the state at this boundary
+    kv.push(["a", "b"], [np.full(64, step + 1.0 + r, np.float32), np.full(32, 2.0 * step - r, np.float32)])
+    kv.pull(["a", "b"], out=outs)
+print(json.dumps({"seen": seen}), flush=True)
+'''
+
+RESUMED = r'''
+import hashlib, json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init(["a", "b"], [np.zeros(64, np.float32), np.zeros(32, np.float32)])
+outs = [np.zeros(64, np.float32), np.zeros(32, np.float32)]
+kv.pull(["a", "b"], out=outs)
+print(json.dumps({"resumed": hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()}), flush=True)
+'''
+
+
+def test_periodic_checkpoint_is_taken_at_its_step_boundary(cluster, tmp_path):
+    """Worker 0's push after a periodic SAVE goes on its own connection (a lane) and could reach a
+    server before SAVE: the checkpoint would then hold the next round under this step's number."""
+    periodic = tmp_path / "periodic"
+    env = dict(ENV, KVPS_CHECKPOINT_DIR=str(periodic), KVPS_CHECKPOINT_EVERY="2")
+    job = cluster(2, 2, env=env)
+    out = job.run_workers(SLOW_SAVE, timeout=90, env={"STEPS": "5"})
+    seen = [line["seen"] for line in out[0] if "seen" in line][0]
+    step = json.loads((periodic / "manifest.json").read_text())["step"]
+    assert step in (2, 4), step
+    ((line,), _) = cluster(2, 2, env=dict(ENV, KVPS_RESUME=str(periodic))).run_workers(RESUMED, timeout=60)
+    assert line["resumed"] == seen[str(step)], (step, seen)
