@@ -33,7 +33,7 @@ from kvps.errors import ConfigError
 from kvps.wire import chains
 from kvps.wire import keys as job_keys
 from kvps.wire.membership import node_name, parse_name
-from kvps.wire.protocol import Header, Op, error_header, quote
+from kvps.wire.protocol import CLOSED, Header, Op, error_header, quote
 from kvps.wire.throttle import escape
 from kvps.wire.transport import Van
 
@@ -463,7 +463,7 @@ class Scheduler:
             else:
                 log.info("H: %s finished", member.name)
             self._tell_all(Header(Op.NODE_LEFT, 0, "H", meta={"node": member.name,
-                                                               "reason": reason or "it closed its kvstore"}))
+                                                               "reason": reason or CLOSED}))
             for group in GROUPS:
                 self._release(group)
         self._maybe_end()

@@ -39,7 +39,7 @@ from kvps import kernels
 from kvps.ps import compression
 from kvps.errors import KVPSError, KVValueError, NodeFailure, ProtocolError, describe, error_kind
 from kvps.wire.membership import Node, advertised_host, parse_name
-from kvps.wire.protocol import (MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
+from kvps.wire.protocol import (CLOSED, MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
                                 numpy_dtype, quote)
 from kvps.wire.shm import Mapped, ShmRefused, Values
 from kvps.wire.throttle import escape
@@ -294,7 +294,12 @@ class Server(Node):
             if self.cfg.elastic and rank < self.store.num_workers:
                 self.store.worker_removed(rank)     # rounds go on without it
             else:
-                self.store.worker_gone(rank, f"worker {node} has left the job ({escape(reason)})")
+                hint = ""
+                if reason == CLOSED and self.store.mode == "sync":
+                    # the usual cause: uneven data, one worker's loop ended first
+                    hint = ("; workers that run different numbers of steps end with kv.join() "
+                            "(docs/consistency.md), which counts them as pushing zeros")
+                self.store.worker_gone(rank, f"worker {node} has left the job ({escape(reason)}){hint}")
 
     def on_failure(self, node, failure):
         role, rank = parse_name(node)

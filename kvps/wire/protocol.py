@@ -49,6 +49,9 @@ MAX_NDIM = 64                   # numpy's own limit on dimensions
 MAX_ROW_IDS = 1 << 24           # row ids in one ROW_SPARSE_PULL or ROW_SPARSE_PUSH (unique, per (key, part))
 
 
+CLOSED = "it closed its kvstore"      # NODE_LEFT's reason when a node left without an error
+
+
 class Op(enum.IntEnum):
     """What a message is; SCHEMA says who sends it and what its meta holds."""
     # control: nodes <-> scheduler, and the replies
@@ -275,7 +278,7 @@ SCHEMA = {
     }),
     Op.NODE_LEFT: Message("H -> all", "a worker left on purpose (FINALIZE); not a failure", {
         "node": Field(STR, "the name of the worker that left"),
-        "reason": Field(STR, "what it did: \"it closed its kvstore\", or FINALIZE's reason"),
+        "reason": Field(STR, f"what it did: \"{CLOSED}\", or FINALIZE's reason"),
     }),
     Op.WORKERS: Message("H -> all", "elastic jobs (KVPS_ELASTIC): a worker was removed or joined", {
         "workers": Field(_ADDRESSES, "[host, port, pid] of every worker rank; a vacant rank is [\"\", 0, -1]"),

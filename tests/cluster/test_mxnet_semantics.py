@@ -193,6 +193,7 @@ def test_the_error_of_a_returned_push_is_raised_by_the_next_call(cluster):
     results = c.run_workers(ERRORS)
     raised = results[0][0]["raised"]
     assert raised and "push of key 'w'" in raised and "W1" in raised, results
+    assert "end with kv.join()" in raised, raised         # what to do, when a worker left cleanly
     assert results[0][1]["again"] is None, results        # raised once, not lost, not repeated
 
 
