@@ -18,6 +18,7 @@
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 from kvps.errors import KVPSError
@@ -226,8 +227,19 @@ def parser():
     return p
 
 
+def hear_interrupts():
+    """Take SIGINT back when it is ignored. A shell starts a background job (`cmd &` in a script)
+    with SIGINT ignored, and the processes it starts inherit that, so the stop that `kvps launch`,
+    `emulate` and `experiment` give their children (SIGINT, then SIGKILL after a grace period)
+    would never reach the children's cleanup. A job in the background still gets no Ctrl-C from
+    the terminal; a SIGINT sent to it on purpose now stops it as in the foreground."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    hear_interrupts()
     if argv[:1] in (["server"], ["scheduler"]):     # the daemons' own parsers (server/, scheduler/)
         from kvps import roles
         try:

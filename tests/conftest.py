@@ -17,6 +17,13 @@ TIERS = ("unit", "kernels", "cluster", "tools", "fuzz", "gpu")
 HERE = pathlib.Path(__file__).parent
 
 
+def pytest_configure(config):
+    # Run in the background (`./run test &` in a script), pytest inherits SIGINT ignored, and so
+    # would every process a test starts: the tests of Ctrl-C would then fail. As kvps's commands do.
+    from kvps.cli import hear_interrupts
+    hear_interrupts()
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         tier = pathlib.Path(item.fspath).relative_to(HERE).parts[0]
