@@ -229,10 +229,10 @@ def parser():
 
 def hear_interrupts():
     """Take SIGINT back when it is ignored. A shell starts a background job (`cmd &` in a script)
-    with SIGINT ignored, and the processes it starts inherit that, so the stop that `kvps launch`,
-    `emulate` and `experiment` give their children (SIGINT, then SIGKILL after a grace period)
-    would never reach the children's cleanup. A job in the background still gets no Ctrl-C from
-    the terminal; a SIGINT sent to it on purpose now stops it as in the foreground."""
+    with SIGINT ignored, and the processes it starts inherit that: a SIGINT sent on purpose (`kill
+    -INT`, or `kvps experiment` stopping the `kvps launch` it runs: SIGINT, then SIGKILL after a
+    grace period) would never reach their cleanup (the job's processes, emulated hosts). A job in
+    the background still gets no Ctrl-C from the terminal."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
