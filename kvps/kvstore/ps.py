@@ -131,7 +131,8 @@ class DistKVStore(KVStore):
         self._lanes = None
         if self.cfg.lane_bytes and not self.cfg.replicas and not self._node.requests.resend_after and \
                 self._node.faults is None:
-            self._lanes = Lanes(self._node, self._server_address)
+            # (the node outlives this kvstore: what it holds, such as the lanes, must not hold the kvstore)
+            self._lanes = Lanes(self._node, functools.partial(_server_address, self._node))
         # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read
         self._ahead = PullAhead() if consistency.wire() == "sync" else None
         self._checkpoints = Checkpointer(self._node, self.cfg, self._keys, self._num_servers, consistency.wire())
@@ -167,6 +168,10 @@ class DistKVStore(KVStore):
         else:
             items = [(f"S{server}", Header(op, keys=entries, meta=self._claim(server, meta)), payloads, on_reply)
                      for server, entries, payloads, meta in messages]
+        # The handle keeps `messages` (their payloads) until it is done, and a kvstore's farewell keeps
+        # its unchecked handles: `messages` must then not keep the kvstore alive (its limit may be one
+        # of its methods), or a kvstore that a function made and dropped would never leave the job.
+        messages.limit = None
         reads = any(header.meta.get("mapped") for _, header, _, _ in items)
         if self._pull_codec is not None and op in (Op.PULL, Op.PUSHPULL):
             for _, header, _, _ in items:
@@ -198,10 +203,6 @@ class DistKVStore(KVStore):
         the I/O path. Waits for what must be answered first (kvps/kvstore/order.py)."""
         small = self._lanes is not None and op in LANE_OPS and async_op is not True and nbytes <= self.cfg.lane_bytes
         return self._order.route(keys, self._lanes.mine() if small else None)
-
-    def _server_address(self, peer):
-        host, port, _ = self._node.membership["servers"][int(peer[1:])]
-        return host, port
 
     def _layout(self, key, shape, dtype):
         return sharding.layout(key, shape, self._num_servers, self.cfg.bigarray_bound, np.dtype(dtype).itemsize,
@@ -754,6 +755,11 @@ class DistKVStore(KVStore):
             super().close()
         finally:
             self._close_arenas()        # after leaving: no request names a segment any more
+
+
+def _server_address(node, peer):
+    host, port, _ = node.membership["servers"][int(peer[1:])]
+    return host, port
 
 
 def _finishers(items):

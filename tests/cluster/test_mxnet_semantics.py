@@ -70,6 +70,29 @@ def test_a_kvstore_never_closed_leaves_the_job_at_once(tmp_path, ending):
     assert elapsed < 30, (elapsed, out)
 
 
+DROPPED = TRAIN + r'''
+import gc
+from kvps.kvstore import base
+def main():
+    kv = train()
+    rank = kv.rank
+    kv.push(0, np.zeros(4, np.float32))     # returns at once: its handle waits, unchecked, in the kvstore
+    del kv                                  # dropped while the process goes on (a Ray actor, a notebook)
+    gc.collect()
+    print(json.dumps({"rank": rank, "left": not base._LIVE}), flush=True)
+main()
+'''
+
+
+def test_a_kvstore_dropped_while_its_process_goes_on_leaves_the_job(tmp_path):
+    """kvps.ray.run's workers are such processes: their kvstore must leave when the function returns."""
+    proc, elapsed = _launch(tmp_path, DROPPED)
+    results = _results(proc.stdout)
+    assert proc.returncode == 0 and sorted(r["rank"] for r in results) == [0, 1, 2], proc.stdout + proc.stderr
+    assert all(r["left"] for r in results), results
+    assert elapsed < 30, elapsed
+
+
 MIDWAY = r'''
 import numpy as np, kvps
 def main():
