@@ -259,12 +259,12 @@ def judge(rows, args):
     for workload, nbytes, mode, limit, text, of_shm in TARGETS:
         matching = [r for r in rows if r["workload"] == workload and (nbytes is None or r["bytes"] == nbytes)
                     and (mode is None or r["mode"] == mode)]
+        off = of_shm and not shm        # asked of shared memory, which is off here
         for r in matching:
             ratio = r["ratio"]
-            met = None if ratio is None or not applies or (of_shm and not shm) else ratio <= limit
-            out.append({"target": text, "mode": r["mode"], "limit": limit, "ratio": ratio, "met": met})
-            if of_shm and not shm:
-                out[-1]["why"] = "KVPS_SHM=0"
+            met = None if ratio is None or not applies or off else ratio <= limit
+            out.append({"target": text, "mode": r["mode"], "limit": limit, "ratio": ratio, "met": met,
+                        **({"why": "KVPS_SHM=0"} if off else {})})
         if not matching:
             why = f"{show_size(nbytes)} is not in --sizes" if nbytes else \
                 f"--pattern leaves out {mode}" if mode and args.resnet_steps else "--resnet-steps 0"
