@@ -344,9 +344,9 @@ class Server(Node):
                 if request.op == Op.PUSHPULL and reply.op == Op.ACK and not again.meta.get("chain"):
                     return self._again(routing_id, again, (), self._worker(again.src), RECOMPUTE)
                 reply = self._for(again, reply)
-        if self.telemetry is not None:
-            self._observe(request, reply)
         self.van.reply(routing_id, reply, payloads, on_tracker=on_tracker)
+        if self.telemetry is not None:      # after the reply went: counting never delays one
+            self._observe(request, reply)
 
     @staticmethod
     def _client(header, routing_id):

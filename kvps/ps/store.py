@@ -351,11 +351,12 @@ class Store:
             self.clocks.applied(slot, worker)
         slot.version += 1
         self.stats["rounds"] += 1
-        if self.observer is not None:
-            self.observer.round_closed(slot, slot.opened or merge_start, merge_start, time.time())
+        closed = time.time() if self.observer is not None else 0.0
         for ack in acks:
             ack(None)
         self._release_pulls(slot)
+        if self.observer is not None:       # after the replies: timing a round never delays one
+            self.observer.round_closed(slot, slot.opened or merge_start, merge_start, closed)
         if apply is not None and slot.in_round and self.clocks.round_complete(slot):
             self._close_round(slot)         # the next round filled up while this one was merged
 

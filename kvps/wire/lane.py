@@ -138,12 +138,12 @@ class Lane:
                     header.src = node.name
                     frames = [header.encode(), *payloads]
                     sock = self._socks.get(peer) or self._connect(peer)
-                    if telemetry is not None:
-                        telemetry.sent(peer, header.op, frames)
                     self._pending[header.id] = (handle, peer, on_reply)
                     handle._expect(header.id, peer)
                     send_message(sock, frames, copy=True)
                     self.sent += 1
+                    if telemetry is not None:       # counted once sent: counting never delays a message
+                        telemetry.sent(peer, header.op, frames)
                     if telemetry is not None and telemetry.timeline is not None:
                         telemetry.handed(peer, header.id)
         finally:

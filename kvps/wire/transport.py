@@ -193,8 +193,6 @@ class Van:
         With a priority (data messages), the message may overtake waiting ones of lower priority
         (see kvps/wire/schedule.py); without one, it keeps its place after them."""
         frames = [header.encode(), *payloads]
-        if self.telemetry is not None:
-            self.telemetry.sent(peer, header.op, frames)
         if self._schedule is not None and priority is not None:
             sizes = (memoryview(f).nbytes for f in payloads if not isinstance(f, bytes))
             big = sum(n for n in sizes if n >= COPY_BYTES)
@@ -210,6 +208,8 @@ class Van:
             if done is not None:
                 done()
             raise
+        if self.telemetry is not None:      # counted once handed on (see Telemetry's docstring)
+            self.telemetry.sent(peer, header.op, frames)
 
     def dealer(self, peer, host, port):
         """A DEALER to a peer for the calling thread's own use (kvps/wire/lane.py), made like the I/O
@@ -260,12 +260,12 @@ class Van:
         enough to be sent without copying, with a zmq MessageTracker for it.
         """
         frames = [header.encode(), *payloads]
-        if self.telemetry is not None:
-            self.telemetry.replied(routing_id, header.op, frames)
         if not self._queue and not self._closed and threading.current_thread() is self._thread:
             self._reply_now(routing_id, frames, on_tracker)     # a handler's reply: nothing to wait behind
-            return
-        self._submit(("reply", routing_id, frames, on_tracker), None)
+        else:
+            self._submit(("reply", routing_id, frames, on_tracker), None)
+        if self.telemetry is not None:      # counted once it went (see Telemetry's docstring)
+            self.telemetry.replied(routing_id, header.op, frames)
 
     def stop(self, timeout=5.0):
         """Stop the I/O thread (after it hands zmq what is queued) and close the sockets.
@@ -552,11 +552,13 @@ class Van:
                         self._reply_now(source[1], [err.encode()], None)
                         header = payloads = frames = None
                         continue
-                if self.telemetry is not None:
-                    self.telemetry.received(source, header, frames)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s <- %r", self.name, header)
-                self._handler(source, header, payloads)
+                try:
+                    self._handler(source, header, payloads)
+                finally:
+                    if self.telemetry is not None:      # counted once handled: its replies went first
+                        self.telemetry.received(source, header, frames)
             except Exception as exc:
                 self._bad(source, frames, exc, header)
             header = payloads = frames = None      # payloads die here, not at the next message
