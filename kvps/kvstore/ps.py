@@ -12,6 +12,7 @@ import logging
 import math
 import numbers
 import os
+import time
 
 import numpy as np
 
@@ -179,12 +180,18 @@ class DistKVStore(KVStore):
         keys = {e.key for _, header, _, _ in items for e in header.keys}
         if lane is _AUTO:
             lane = self._route(op, keys, messages.nbytes, async_op)
-        if self._node.telemetry is not None and items:      # the call's latency and timeline events
-            items = self._node.telemetry.watch_call(op, items, self._node.name, int(priority))
+        telemetry = self._node.telemetry
+        if telemetry is not None and items:                 # the call's latency and timeline events
+            if telemetry.timeline is not None:
+                items = telemetry.watch_call(op, items, self._node.name, int(priority))
+            else:
+                start = time.time()
         if lane is not None:
             handle = lane.request_many(items, what, self.cfg.timeout, keep=keep)
         else:
             handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
+        if telemetry is not None and items and telemetry.timeline is None:
+            telemetry.time_call(handle, op, start)
         self._order.sent(keys, handle, reads)
         for region in messages.regions:
             region.busy = handle

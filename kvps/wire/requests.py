@@ -16,12 +16,15 @@ key range's chain (kvps/wire/chains.py), which answers an id it already applied 
 again.
 """
 import itertools
+import logging
 import math
 import threading
 import time
 
 from kvps.errors import KVTimeoutError, NodeFailure, remote_error
 from kvps.wire.protocol import Op
+
+log = logging.getLogger("kvps.wire")
 
 
 class Handle:
@@ -40,6 +43,7 @@ class Handle:
         self._armed = False
         self.then = ()                  # callables run once, on the waiting thread, after success
         self.meta = {}                  # the meta of the last reply (e.g. a barrier's "last")
+        self.on_done = None             # fn(error or None), run once as it completes, on the completing thread
 
     @classmethod
     def completed(cls, what):
@@ -57,6 +61,11 @@ class Handle:
         """Mark done and wake the waiters (call with self._lock held, or before sharing)."""
         if not self._finished:
             self._finished = True
+            if self.on_done is not None:
+                try:
+                    self.on_done(self._error)
+                except Exception:           # an observer's failure must not keep the waiters waiting
+                    log.warning("%s: a completion callback failed", self.what, exc_info=True)
             self._gate.release()
 
     def wait(self, timeout=None):

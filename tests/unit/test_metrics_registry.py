@@ -127,3 +127,45 @@ def test_a_node_serves_metrics_over_http_and_refuses_a_busy_port():
     finally:
         telemetry.close()
     assert Telemetry.for_config(Config(), "worker", "127.0.0.1") is None     # off: nothing is created
+
+
+def test_a_call_is_timed_once_at_its_handles_completion_and_never_when_it_failed():
+    from kvps.wire.requests import Handle
+    cfg = Config().replace(metrics_port=0)
+    telemetry = Telemetry(cfg, "worker", "127.0.0.1", rank=lambda: 0)
+    try:
+        answered, failed, done_before = Handle("push", 5), Handle("pull", 5), Handle.completed("pushpull")
+        for handle in (answered, failed):
+            handle._expect(1, "S0")
+            handle._expect(2, "S1")
+            handle._arm()
+        telemetry.time_call(answered, Op.PUSH, 0.0)
+        telemetry.time_call(failed, Op.PULL, 0.0)
+        telemetry.time_call(done_before, Op.PUSHPULL, 0.0)     # answered before it was watched: timed at once
+        answered._answered(1)
+        assert ("kvps_worker_call_seconds_count", (("op", "push"), ("rank", "0"), ("role", "worker"))) \
+            not in samples(telemetry.metrics)                  # one of two replies: not done yet
+        answered._answered(2)
+        failed._answered(1, RuntimeError("refused"))
+        failed._answered(2)
+        got = samples(telemetry.metrics)
+        for op, count in (("push", 1), ("pushpull", 1)):
+            assert got[("kvps_worker_call_seconds_count", (("op", op), ("rank", "0"), ("role", "worker")))] == count
+        assert not any(name == "kvps_worker_call_seconds_count" and ("op", "pull") in labels for name, labels in got)
+        with pytest.raises(RuntimeError, match="refused"):
+            failed.wait(1)
+    finally:
+        telemetry.close()
+
+
+def test_a_failing_completion_callback_never_keeps_a_waiter_waiting():
+    from kvps.wire.requests import Handle
+    handle = Handle("push", 5)
+    handle._expect(1, "S0")
+    handle._arm()
+
+    def broken(error):
+        raise ValueError("an observer's bug")
+    handle.on_done = broken
+    handle._answered(1)
+    assert handle.wait(1) is handle
