@@ -154,10 +154,12 @@ class DistKVStore(KVStore):
     num_servers = property(lambda self: self._num_servers)
 
     # ---- plumbing ----
-    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=(), priority=0, lane=_AUTO):
+    def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=(), priority=0, lane=_AUTO,
+              call=None):
         """Send the requests of a Messages batch under one Handle; returns it. Higher priorities
         leave first among the requests waiting for the network (kvps/wire/schedule.py). `lane`: the
-        way chosen by the caller (_route), else chosen here."""
+        way chosen by the caller (_route), else chosen here. `call`: the kvstore call the metrics
+        and the timeline name it by, where it is not `op` (a push that travels as a PUSHPULL)."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
@@ -183,7 +185,7 @@ class DistKVStore(KVStore):
         telemetry = self._node.telemetry
         if telemetry is not None and items:                 # the call's latency and timeline events
             if telemetry.timeline is not None:
-                items = telemetry.watch_call(op, items, self._node.name, int(priority))
+                items = telemetry.watch_call(call or op, items, self._node.name, int(priority))
             else:
                 start = time.time()
         if lane is not None:
@@ -191,7 +193,7 @@ class DistKVStore(KVStore):
         else:
             handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
         if telemetry is not None and items and telemetry.timeline is None:
-            telemetry.time_call(handle, op, start)
+            telemetry.time_call(handle, call or op, start)
         self._order.sent(keys, handle, reads)
         for region in messages.regions:
             region.busy = handle
@@ -473,7 +475,7 @@ class DistKVStore(KVStore):
             items = [(info, array if info.key in shared else self._private(info, array)) for info, array in items]
         messages = self._with_values(items, self._codec, shared, replies=stash is not None)
         handle = self._send(op, what, messages, on_reply=None if stash is None else stash.keep,
-                            keep=(items, messages), async_op=None, priority=priority, lane=lane)
+                            keep=(items, messages), async_op=None, priority=priority, lane=lane, call=Op.PUSH)
         if stash is not None:
             stash.handle = handle
         if self._ahead is not None:
@@ -533,7 +535,11 @@ class DistKVStore(KVStore):
         infos = [i for i, _ in items]
         stashes = self._ahead.take([i.key for i in infos]) if self._ahead is not None else None
         if stashes is not None:
-            return self._pulled_ahead(items, stashes)
+            start = time.time()
+            handle = self._pulled_ahead(items, stashes)
+            if self._node.telemetry is not None:        # a pull the user made, though it sent nothing
+                self._node.telemetry.call_done(Op.PULL, start, [i.key for i in infos])
+            return handle
         return self._send(Op.PULL, self._what("pull", infos), self._bare(infos, replies=True),
                           on_reply=self._filler(items),
                           keep=items, async_op=async_op, then=_finishers(items), priority=priority)

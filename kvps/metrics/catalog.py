@@ -46,7 +46,8 @@ METRICS = (
            _DATA),
     # workers
     Metric("kvps_worker_call_seconds", HISTOGRAM, ("op",), "a kvstore call's time from its start to its last "
-                                                           "reply (push, pull, pushpull, ...)", ("worker",)),
+                                                           "reply, by the call made (push, pull, pushpull, ...; "
+                                                           "a push sent as a PUSHPULL is a push)", ("worker",)),
     Metric("kvps_ring_phase_seconds", HISTOGRAM, ("phase",), "ring all-reduce: each phase's time per collective "
                                                              "(reduce_scatter, all_gather)", ("worker",)),
     # servers

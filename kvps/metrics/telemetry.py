@@ -150,6 +150,18 @@ class Telemetry:
                 return
         done(handle._error)
 
+    def call_done(self, op, start, keys):
+        """A kvstore call answered without a request of its own (a pull that took the reply its
+        keys' pushes brought, kvps/kvstore/pull_ahead.py): from `start` to now."""
+        end, label = time.time(), self._label(op)
+        if self.metrics is not None:
+            self._calls.observe((label,), end - start)
+        if self.timeline is not None:
+            names = sorted(str(k) for k in keys)
+            self.timeline.complete(label, "call", start, end, {"keys": names[:16], "nkeys": len(names),
+                                                               "pulled_ahead": True},
+                                   threading.current_thread().name)
+
     def _call_done(self, label, start, error):
         if error is None:                   # as watch_call: a call that failed is not timed
             self._calls.observe((label,), time.time() - start)

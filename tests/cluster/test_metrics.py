@@ -139,7 +139,7 @@ def test_prometheus_scrapes_a_job_through_the_schedulers_targets(tmp_path):
             # every worker's push rate over its pushing, as PromQL gives it: about PUSHES / duration
             for rank, f in figures.items():
                 window = int(f["end"] - f["start"]) + 1
-                rate = prom.query(f'sum by (node) (rate(kvps_worker_call_seconds_count{{op=~"push|pushpull",'
+                rate = prom.query(f'sum by (node) (rate(kvps_worker_call_seconds_count{{op="push",'
                                   f'node="W{rank}"}}[{window}s]))', at=f["end"])[f"W{rank}"]
                 expected = PUSHES / (f["end"] - f["start"])
                 assert 0.4 * expected < rate < 2.5 * expected, (rank, rate, expected)
@@ -152,8 +152,13 @@ def test_prometheus_scrapes_a_job_through_the_schedulers_targets(tmp_path):
                 assert pushed[server] == stats[server]["bytes_in"] > 0
                 assert entries[server] == stats[server]["pushes"] == 2 * PUSHES
                 assert updates[server] == stats[server]["updates"]
-            calls = prom.query('sum by (node) (kvps_worker_call_seconds_count{op=~"push|pushpull"})')
-            assert calls == {"W0": PUSHES, "W1": PUSHES}
+            # calls by the name the script called them, though its pushes travel as PUSHPULLs (pull-ahead)
+            # and its pull takes the last one's reply without a request
+            def calls(op):
+                return prom.query(f'sum by (node) (kvps_worker_call_seconds_count{{op="{op}"}})')
+            assert calls("push") == {"W0": PUSHES, "W1": PUSHES}
+            assert calls("pull") == {"W0": 1, "W1": 1}
+            assert calls("pushpull") == {}
             sent = prom.query('sum by (node) (kvps_messages_received_total{role="server",op=~"push|pushpull"})')
             assert sent == {"S0": 2 * PUSHES, "S1": 2 * PUSHES}
 
@@ -176,3 +181,36 @@ def test_prometheus_scrapes_a_job_through_the_schedulers_targets(tmp_path):
             done.write_text("ok")
             if prom is not None:
                 prom.stop()
+
+
+MXNET_STYLE = """
+import json, re, urllib.request
+import numpy as np
+import kvps
+kv = kvps.create("dist_sync")
+shapes = [(300,), (20, 20), (5,)]
+kv.init([0, 1, 2], [np.zeros(s, np.float32) for s in shapes])
+grads, outs = [np.ones(s, np.float32) for s in shapes], [np.zeros(s, np.float32) for s in shapes]
+for step in range(5):
+    for k in range(3):
+        kv.push(k, grads[k], priority=-k)
+    for k in range(3):
+        kv.pull(k, out=outs[k], priority=-k)
+kv.pushpull(0, grads[0], out=outs[0])
+text = urllib.request.urlopen(f"http://127.0.0.1:{kv._node.telemetry.port}/metrics", timeout=10).read().decode()
+counts = {m.group(1): float(m.group(2)) for m in
+          re.finditer(r'kvps_worker_call_seconds_count\\{[^}]*op="(\\w+)"[^}]*\\} (\\S+)', text)}
+print(json.dumps({"counts": counts, "sums": [float(o.sum()) for o in outs]}), flush=True)
+"""
+
+
+def test_calls_are_counted_by_the_name_the_script_called_them(tmp_path):
+    """MXNet's per-key push then pull: the pushes travel as PUSHPULLs and the pulls take their
+    replies without a request (pull-ahead), yet the metrics count 15 pushes, 15 pulls and the one
+    pushpull the script made."""
+    with Cluster(tmp_path, workers=2, servers=1, env={"KVPS_METRICS_PORT": "0"}) as c:
+        results = c.run_workers(MXNET_STYLE, timeout=60)
+        for (out,) in results:
+            assert out["counts"] == {"init": 1, "push": 15, "pull": 15, "pushpull": 1}, (out, c.logs())
+            assert out["sums"] == [600.0, 800.0, 10.0]
+        assert c.wait_daemons() == [0, 0], c.logs()
