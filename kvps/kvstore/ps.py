@@ -182,7 +182,7 @@ class DistKVStore(KVStore):
         keys = {e.key for _, header, _, _ in items for e in header.keys}
         if lane is _AUTO:
             lane = self._route(op, keys, messages.nbytes, async_op)
-        telemetry = self._node.telemetry
+        telemetry, start = self._node.telemetry, None
         if telemetry is not None and items:                 # the call's latency and timeline events
             if telemetry.timeline is not None:
                 items = telemetry.watch_call(call or op, items, self._node.name, int(priority))
@@ -192,7 +192,7 @@ class DistKVStore(KVStore):
             handle = lane.request_many(items, what, self.cfg.timeout, keep=keep)
         else:
             handle = self._node.request_many(items, what, keep=keep, priority=int(priority))
-        if telemetry is not None and items and telemetry.timeline is None:
+        if start is not None:
             telemetry.time_call(handle, call or op, start)
         self._order.sent(keys, handle, reads)
         for region in messages.regions:
@@ -535,10 +535,11 @@ class DistKVStore(KVStore):
         infos = [i for i, _ in items]
         stashes = self._ahead.take([i.key for i in infos]) if self._ahead is not None else None
         if stashes is not None:
-            start = time.time()
+            telemetry = self._node.telemetry
+            start = time.time() if telemetry is not None else None
             handle = self._pulled_ahead(items, stashes)
-            if self._node.telemetry is not None:        # a pull the user made, though it sent nothing
-                self._node.telemetry.call_done(Op.PULL, start, [i.key for i in infos])
+            if telemetry is not None:                   # a pull the user made, though it sent nothing
+                telemetry.call_done(Op.PULL, start, [i.key for i in infos])
             return handle
         return self._send(Op.PULL, self._what("pull", infos), self._bare(infos, replies=True),
                           on_reply=self._filler(items),

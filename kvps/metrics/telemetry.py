@@ -143,12 +143,7 @@ class Telemetry:
     def time_call(self, handle, op, start):
         """Time a kvstore call from `start` to the completion of its handle (metrics without a
         timeline: one callback a call, where watch_call wraps every reply)."""
-        done = functools.partial(self._call_done, self._label(op), start)
-        with handle._lock:                  # the replies may be read on another thread already
-            if not handle._finished:
-                handle.on_done = done
-                return
-        done(handle._error)
+        handle.when_done(functools.partial(self._timed, self._label(op), start))
 
     def call_done(self, op, start, keys):
         """A kvstore call answered without a request of its own (a pull that took the reply its
@@ -162,7 +157,7 @@ class Telemetry:
                                                                "pulled_ahead": True},
                                    threading.current_thread().name)
 
-    def _call_done(self, label, start, error):
+    def _timed(self, label, start, error):
         if error is None:                   # as watch_call: a call that failed is not timed
             self._calls.observe((label,), time.time() - start)
 

@@ -43,7 +43,7 @@ class Handle:
         self._armed = False
         self.then = ()                  # callables run once, on the waiting thread, after success
         self.meta = {}                  # the meta of the last reply (e.g. a barrier's "last")
-        self.on_done = None             # fn(error or None), run once as it completes, on the completing thread
+        self._on_done = None            # when_done's fn
 
     @classmethod
     def completed(cls, what):
@@ -61,12 +61,21 @@ class Handle:
         """Mark done and wake the waiters (call with self._lock held, or before sharing)."""
         if not self._finished:
             self._finished = True
-            if self.on_done is not None:
+            if self._on_done is not None:
                 try:
-                    self.on_done(self._error)
+                    self._on_done(self._error)
                 except Exception:           # an observer's failure must not keep the waiters waiting
                     log.warning("%s: a completion callback failed", self.what, exc_info=True)
             self._gate.release()
+
+    def when_done(self, fn):
+        """Run fn(error or None) once, as the handle completes (on the thread that completes it),
+        or now if it already has. One fn per handle; it must be short and must not wait."""
+        with self._lock:
+            if not self._finished:
+                self._on_done = fn
+                return
+        fn(self._error)
 
     def wait(self, timeout=None):
         """Block until done; raises the call's error, or KVTimeoutError after `timeout` seconds

@@ -166,6 +166,9 @@ def test_a_failing_completion_callback_never_keeps_a_waiter_waiting():
 
     def broken(error):
         raise ValueError("an observer's bug")
-    handle.on_done = broken
+    handle.when_done(broken)
     handle._answered(1)
     assert handle.wait(1) is handle
+    late = []
+    handle.when_done(late.append)           # after it completed: at once, with its (absent) error
+    assert late == [None]
