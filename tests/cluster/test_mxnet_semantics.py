@@ -20,7 +20,8 @@ EXITS = {
     "module": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\n",
     "sys_exit": "def main():\n    kv = train()\n    print(json.dumps(result(kv)), flush=True)\n    sys.exit(0)\nmain()\n",
     "close": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\nkv.close()\n",
-    "exception": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\n"
+    # (the barrier: every worker has printed before W1's exit makes the launcher stop the others)
+    "exception": "kv = train()\nprint(json.dumps(result(kv)), flush=True)\nkv.barrier()\n"
                  "if kv.rank == 1:\n    raise RuntimeError('boom')\n",
 }
 TRAIN = r'''
