@@ -10,7 +10,8 @@ sends it one STATE message with everything the chain's ranges hold there:
 and from then on forwards its copies to it (server/replication.py), so the joiner misses nothing and
 applies nothing twice. What travels, per slot: the value, the update rule's state (master weights,
 step count, its arrays) and the round and clock counters; the pushes waiting in the open round, in
-the order they came, which the joiner pushes again; and the window of request ids answered for the
+the order they came, which the joiner pushes again (a deferred copy's place whose values have not
+come, server/replication.py, goes as a place that the round's sum from this server fills); and the window of request ids answered for the
 range (kvps/wire/window.py), so a request asked again after a later failure is not applied twice.
 The update rule itself goes by name and parameters, as SET_OPTIMIZER sends it: no code travels.
 """
@@ -18,7 +19,7 @@ import logging
 
 import numpy as np
 
-from kvps.ps.store import Rows
+from kvps.ps.store import Deferred, Rows
 from kvps.errors import ProtocolError
 from kvps.wire.protocol import Entry, Header, Op
 
@@ -48,6 +49,11 @@ def state(server, home):
                 if array is not None:
                     add(key, part, array)
         for worker, array in waiting:
+            if type(array) is Deferred:         # a deferred copy's place (server/replication.py)
+                if array.array is None:
+                    arrays.append(f"defer {worker}")
+                    continue
+                array = array.array
             arrays.append(f"push {worker}")
             if isinstance(array, Rows):
                 add(key, part, array.values)
@@ -85,6 +91,9 @@ def take(server, header, payloads):
         for kind in slot["arrays"]:
             if kind == "nostate":
                 rule_state.append(None)
+                continue
+            if kind.startswith("defer ") and kind[6:].isdigit() and server.store.deferring:
+                waiting.append((int(kind[6:]), Deferred()))
                 continue
             _, array = _next(arrays, header)
             if kind == "master":

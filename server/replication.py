@@ -15,7 +15,19 @@ member has applied the update:
 
 Copies keep the worker's request id and name (meta "chain" marks them; their replies name the
 worker in meta "for"), so a server's window (kvps/wire/window.py) sees one stream of ids per worker
-and range whether they came from the worker or along the chain. When a server dies the scheduler
+and range whether they came from the worker or along the chain. With one replica in a sync job (`Chain.defer`), a copy of a PUSH or PUSHPULL goes without its values
+("deferred"): its pushes hold their places in the replica's rounds (kvps/ps/store.py: Deferred), and
+when the head closes a round it sends the round's sum once (ROUND) instead of every worker's values:
+a chain link then carries M bytes a round instead of W·M, and the replica copies one sum instead of
+adding W arrays. The replica applies that sum as its own round's, so both hold the same bits. If the
+head dies first, the workers send their unanswered requests to the replica, as below, and their
+values fill the places they hold (Server._fill): the round closes with the same pushes, in the same
+order, as at the head. With R >= 2 copies keep their values (a middle server's death would need its
+head to keep each round's sum until the tail had it).
+
+    chain.round(slot, total)                # Store.on_round, as a round closes: the sum to the next server
+
+When a server dies the scheduler
 says so (SERVERS): every chain closes up, copies waiting on the dead one go to the next member (which
 answers one it has already applied without applying it again), and the workers send what they had
 in flight to the new head the same way (kvps/wire/requests.py). When a new server takes a dead one's
@@ -25,14 +37,17 @@ rank it joins the tail of that rank's chains, and the old tail hands it the stat
 import dataclasses
 import logging
 
+import numpy as np
+
 from kvps.wire import chains
 from server import handover
 from kvps.wire.membership import node_name
-from kvps.wire.protocol import Header, Op
+from kvps.wire.protocol import Entry, Header, Op
 
 log = logging.getLogger("kvps.server")
 
 FORWARDED = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.LOAD})
+DEFERRED = frozenset({Op.PUSH, Op.PUSHPULL})        # copied without values where the chain defers
 LOCAL_META = ("shm", "into", "pull")    # about the worker's link to this server: not for the next one
 
 
@@ -46,6 +61,17 @@ class Forward:
     answer: tuple = None        # (routing_id, request, reply, payloads) once this server has answered
     acked: bool = False
     error: Header = None        # the successor's ERROR, which replaces this server's own reply
+
+
+class Sending:
+    """The tracker of a round's sum sent without a copy (Store.forwarding): done once zmq let go."""
+    __slots__ = ("done",)
+
+    def __init__(self):
+        self.done = False
+
+    def release(self):
+        self.done = True
 
 
 class Held:
@@ -76,6 +102,14 @@ class Chain:
         self.pending = {}                   # (worker name, request id) -> Forward
         self.connected = set()
         self.forwarded = 0                  # copies sent (for server_stats)
+        self.rounds = 0                     # round sums sent (for server_stats)
+        # copies sent without values (set with the store: one replica, sync), and on a replica the
+        # Deferred places each such copy holds: (worker, request id) -> [(key, part, Deferred)]
+        self.defer = False
+        self.places = {}
+        # the round sums of the request being handled, sent after its copy (Server._replicated): the
+        # copy of a round's last push must reach the next server before the round's sum
+        self.handling = None
 
     def successor(self, home):
         return chains.successor(home, self.server.rank, self.num_servers, self.replicas, self.dead, self.joined)
@@ -90,10 +124,56 @@ class Chain:
             return None
         meta = {k: v for k, v in header.meta.items() if k not in LOCAL_META}
         meta["chain"] = True
-        copy = Header(header.op, header.id, header.src, header.keys, meta)
-        fwd = Forward(home, node_name("server", nxt), copy, list(payloads))
+        keys, payloads = header.keys, list(payloads)
+        if self.defer and header.op in DEFERRED:
+            meta.pop("codec", None)
+            meta["deferred"] = True
+            keys, payloads = [Entry(e.key, e.part, e.dtype, e.shape, 0) for e in keys], []
+        copy = Header(header.op, header.id, header.src, keys, meta)
+        fwd = Forward(home, node_name("server", nxt), copy, payloads)
         self.pending[(header.src, header.id)] = fwd
         return fwd
+
+    def handle(self, fwd, handler):
+        """Run handler() for a request whose copy is `fwd` (or None), then send the copy, then the
+        sums of the rounds it closed."""
+        self.handling = []
+        try:
+            handler()
+        except Exception:
+            if fwd is not None:
+                self.cancel(fwd)
+            raise
+        finally:
+            sums, self.handling = self.handling, None
+        if fwd is not None:
+            self.send(fwd)
+        for peer, header, payloads, done in sums:
+            self.server.van.send(peer, header, payloads, on_sent=done)
+
+    def round(self, slot, total):
+        """A round of `slot` closed here with `total` as its sum: send it to the next server of the
+        slot's chain, whose copies of the round's pushes wait for it (they go first, on the same
+        connection). zmq sends it without a copy; the store keeps it until then."""
+        if not self.defer:
+            return
+        home = self.server.homes.get(slot.id, self.server.rank)
+        nxt = self.successor(home)
+        if nxt is None:
+            return
+        peer = node_name("server", nxt)
+        self._connect(peer)
+        key, part = slot.id
+        sending = Sending()
+        self.server.store.forwarding(slot, sending)
+        header = Header(Op.ROUND, 0, self.server.name, [Entry.of(key, part, total)],
+                        {"home": home, "round": slot.version})
+        payloads = [memoryview(np.ascontiguousarray(total).reshape(-1).view(np.uint8))] if total.nbytes else []
+        self.rounds += 1
+        if self.handling is not None:
+            self.handling.append((peer, header, payloads, sending.release))
+        else:
+            self.server.van.send(peer, header, payloads, on_sent=sending.release)
 
     def cancel(self, fwd):
         """The handler refused the request: no copy goes, and its ERROR is sent at once."""

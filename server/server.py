@@ -19,7 +19,10 @@ and a worker that joins takes part from each key's next round (kvps/ps/store.py)
 
 With KVPS_REPLICAS (server/replication.py) each request that changes a key range goes on to the
 next server of the range's chain, and its reply waits until that server has applied it too; a
-server that dies is replaced in every chain by the next live one (SERVERS from the scheduler).
+server that dies is replaced in every chain by the next live one (SERVERS from the scheduler). With
+one replica in a sync job the copies of pushes go without their values and the head sends each
+round's sum instead (ROUND); a worker's request asked again after its head died fills the places
+its copy holds (_fill).
 
 A PULL or PUSHPULL with meta["pull"] (compressed pull, docs/compression.md) gets its float32
 values compressed when its reply is built, with this server's error feedback per worker, key
@@ -47,7 +50,7 @@ from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 
 from kvps.ps import checkpoint
 from kvps.ps.pool import MergePool
-from kvps.ps.store import Store
+from kvps.ps.store import Deferred, Store
 from kvps.ps.rules import Registry
 from kvps.wire.membership import SCHEDULER
 from server import handover
@@ -57,7 +60,8 @@ log = logging.getLogger("kvps.server")
 
 MAX_EARLY = 10_000      # requests held until the job forms; more means a peer misbehaves
 # what waits while a checkpoint is written from the live state (kv.save): whatever would change it
-HELD_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.SET_OPTIMIZER, Op.JOIN, Op.LOAD})
+HELD_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.SET_OPTIMIZER, Op.JOIN, Op.LOAD,
+                      Op.ROUND})
 
 
 class Reply:
@@ -241,6 +245,10 @@ class Server(Node):
                      f", {self.cfg.server_threads} merge threads" if self.store.pool is not None else "")
             if self.telemetry is not None:
                 self.store.observer = self.telemetry
+            if self.chain is not None and self.cfg.replicas == 1 and not self.cfg.elastic and self.store.mode == "sync":
+                # copies without values, one sum a round (server/replication.py)
+                self.chain.defer = self.store.deferring = True
+                self.store.on_round = self.chain.round
             if self.cfg.shm and not self.cfg.replicas and not self.cfg.elastic and \
                     self.store.consistency.wire() == "sync":
                 self.values = Values()
@@ -334,6 +342,8 @@ class Server(Node):
         client = self._client(request, routing_id)
         if request.meta.get("chain"):
             reply.meta = dict(reply.meta or {}, **{"for": request.src})
+            if request.meta.get("deferred"):
+                self.chain.places.pop((request.src, request.id), None)
         # values may be big, and change; a PUSHPULL copy along a chain is answered as its push
         recompute = reply.op in (Op.VALUE, Op.STATS) or (request.op == Op.PUSHPULL and reply.op == Op.ACK)
         self.window.answered(client, request.id, RECOMPUTE if recompute else reply)
@@ -426,7 +436,7 @@ class Server(Node):
                                        f"already holds {MAX_EARLY} requests back")
                 self._held.append((routing_id, header, payloads))
                 return
-            if header.op == Op.STATE:
+            if header.op == Op.STATE or header.op == Op.ROUND:     # from a server
                 return handler(self, routing_id, header, payloads)
             worker = self._worker(header.src)
             if worker in self.store.removed:
@@ -460,14 +470,7 @@ class Server(Node):
                 for e in header.keys:
                     self.homes[(e.key, e.part)] = home
         fwd = self.chain.begin(header, payloads)
-        try:
-            handler(self, routing_id, header, payloads, worker)
-        except Exception:
-            if fwd is not None:
-                self.chain.cancel(fwd)
-            raise
-        if fwd is not None:
-            self.chain.send(fwd)
+        self.chain.handle(fwd, lambda: handler(self, routing_id, header, payloads, worker))
 
     def _again(self, routing_id, header, payloads, worker, state, client=None):
         """A request id seen before: drop it (BUSY, OLD), answer it again with its reply, or
@@ -478,6 +481,8 @@ class Server(Node):
         chain = header.meta.get("chain")
         if self.chain is not None and state is BUSY:
             self._redirect[(client, header.id)] = (routing_id, header)
+            if not chain and self.chain.places:
+                self._fill(header, payloads)        # may close its rounds: the answer goes to the asker
             return
         if chain and state is not BUSY:
             if state is OLD or state is RECOMPUTE or not isinstance(state, Header):
@@ -617,6 +622,8 @@ class Server(Node):
                             array if worker == 0 else None, reply.callback(i))
 
     def _push(self, routing_id, header, payloads, worker, then_pull=False):
+        if header.meta.get("deferred"):
+            return self._deferred(routing_id, header, worker)
         entries = self._arrays(header, payloads, need=True)
         codec = header.meta.get("codec")
         if codec is not None:
@@ -634,6 +641,54 @@ class Server(Node):
                 self.store.pull(worker, e.key, e.part, done)
             else:
                 self.store.push(worker, e.key, e.part, array, done)
+
+    def _deferred(self, routing_id, header, worker):
+        """A copy of a push without its values (server/replication.py): each entry holds its place in
+        its round as a Deferred, which the round's sum (ROUND) or the worker's values (_fill) complete."""
+        if not (self.chain is not None and self.chain.defer and header.meta.get("chain")):
+            raise ProtocolError(f"{header.op.name} from {quote(header.src)} defers its values; only a copy along "
+                                f"the chain of a sync job with one replica does")
+        if header.meta.get("codec") is not None or any(e.nbytes for e in header.keys):
+            raise ProtocolError(f"a deferred {header.op.name} carries values")
+        for e in header.keys:
+            self.store.check(e.key, e.part, numpy_dtype(e.dtype), e.shape)
+        reply = Reply(self, routing_id, header, len(header.keys), values=False)
+        places = self.chain.places[(header.src, header.id)] = []
+        for i, e in enumerate(header.keys):
+            place = Deferred()
+            places.append((e.key, e.part, place))
+            self.store.push(worker, e.key, e.part, place, reply.callback(i))
+
+    def _fill(self, header, payloads):
+        """A worker asks again for a request whose copy holds places here without values: the head it
+        first went to died, and this server is now the head of the range. Its values fill them."""
+        places = self.chain.places.get((header.src, header.id))
+        if not places or header.op not in (Op.PUSH, Op.PUSHPULL):
+            return
+        entries = self._arrays(header, payloads, need=True)
+        codec = header.meta.get("codec")
+        if codec is not None:
+            entries = [self._decoded(e, array, codec) for e, array in entries]
+        values = {(e.key, e.part): array for e, array in entries}
+        filled = 0
+        for key, part, place in places:
+            array = values.get((key, part))
+            if array is not None and place.array is None:
+                self.store.fill(key, part, place, array)
+                filled += 1
+        log.info("%s: %s asked again for request %d, whose copy came without values: %d filled", self.name,
+                 header.src, header.id, filled)
+
+    def _round(self, routing_id, header, payloads):
+        """ROUND: the sum of a sync round that the server before this one in the chain closed, for
+        the round that the copies of its pushes opened here (server/replication.py). Not answered:
+        those copies' replies are."""
+        role, _ = parse_name(header.src)
+        if self.chain is None or not self.chain.defer or role != "server":
+            raise ProtocolError(f"ROUND from {quote(header.src)}: only a server of a sync job with one replica "
+                                f"sends it")
+        for e, total in self._arrays(header, payloads, need=True):
+            self.store.round_sum(e.key, e.part, header.meta["round"], total)
 
     def _decoded(self, entry, array, codec):
         """A compressed float32 push, decoded into the float32 gradient it stands for."""
@@ -705,7 +760,8 @@ class Server(Node):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
                     keys=len(self.store.slots), mode=self.store.consistency.wire(),
                     duplicates=self.window.duplicates, shared=self.shared_entries, placed=self.placed_entries,
-                    forwarded=self.chain.forwarded if self.chain is not None else 0)
+                    forwarded=self.chain.forwarded if self.chain is not None else 0,
+                    round_sums=self.chain.rounds if self.chain is not None else 0)
         self.answer(routing_id, header, Header(Op.STATS, header.id, self.name, meta=meta))
 
     def _take_over(self, routing_id, header, payloads):
@@ -839,4 +895,5 @@ class Server(Node):
     _handlers = {Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull, Op.PUSHPULL: _pushpull,
                  Op.ROW_SPARSE_PULL: _row_sparse_pull, Op.ROW_SPARSE_PUSH: _row_sparse_push,
                  Op.SET_OPTIMIZER: _set_optimizer, Op.STATS: _stats,
-                 Op.JOIN: _join, Op.SAVE: _save, Op.LOAD: _load, Op.ATTACH: _attach, Op.STATE: _take_over}
+                 Op.JOIN: _join, Op.SAVE: _save, Op.LOAD: _load, Op.ATTACH: _attach, Op.STATE: _take_over,
+                 Op.ROUND: _round}

@@ -43,6 +43,13 @@ Join (sync mode, Horovod's join): a worker that has run out of data calls
 round closes once every other worker has pushed, and open rounds that this
 completes close at once. When every worker has joined, all count as active again.
 
+Deferred copies (KVPS_REPLICAS=1, sync mode; server/replication.py): on a replica a push may come
+without its values, as a Deferred that holds its place in the round. Such a round, once complete,
+waits (the slot is busy, as while the pool merges) for the sum the head of the chain computed,
+`round_sum`, or, if the head died first, for the workers to send the values again (`fill`); it then
+closes as any round does. `on_round(slot, sum)` hears of every round closed with dense pushes, so
+the sum can go on to the next server of the chain.
+
 Elastic jobs (KVPS_ELASTIC): `worker_removed` takes a dead worker's rank out of the job, so rounds
 close with the workers that remain (a push it made before it died still counts in its round);
 `worker_added` brings a rank back: a key whose round is open closes that round without it, and the
@@ -56,7 +63,7 @@ import numpy as np
 
 from kvps import kernels
 from kvps.ps.consistency import Consistency
-from kvps.errors import KVKeyError, KVValueError, NodeFailure
+from kvps.errors import KVKeyError, KVValueError, NodeFailure, ProtocolError
 
 from kvps.ps.clocks import WAIT, Clocks
 
@@ -76,7 +83,8 @@ def _show(dtype, shape):
 class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
-                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy")
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy", "awaiting",
+                 "merge_sent")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -96,7 +104,10 @@ class Slot:
         self.merge = None                # scratch buffer for the round's sum
         self.sent = []                   # zmq trackers of replies still reading value
         self.opened = 0.0                # time.time() of the open round's first push (with an observer)
-        self.busy = False                # a closed round is being merged on a pool thread (kvps/ps/pool.py)
+        self.busy = False                # a closed round is being merged on a pool thread (kvps/ps/pool.py),
+                                         # or waits for its sum (awaiting)
+        self.awaiting = None             # (pending, pushers, acks, members, merge_start) of a round with Deferred pushes
+        self.merge_sent = []             # trackers of sends that still read `merge` (a round's sum sent on)
 
     def name(self):
         key, part = self.id
@@ -133,6 +144,26 @@ def _answered(error):
     """The ack of a push handed over with its slot (Store.adopt): its sender answered it."""
 
 
+class Deferred:
+    """A push that came without its values (see "Deferred copies" above): `array` stays None until
+    the worker sends them again (Store.fill)."""
+    __slots__ = ("array",)
+    nbytes = 0
+
+    def __init__(self, array=None):
+        self.array = array
+
+
+def _resolved(pending):
+    """True when no push of a round still lacks its values (the filled ones are replaced by them)."""
+    for i, push in enumerate(pending):
+        if type(push) is Deferred:
+            if push.array is None:
+                return False
+            pending[i] = push.array
+    return True
+
+
 class Store:
     """All slots of one server, in one consistency mode, with an optional update rule (kvps.ps.rules.RuleState)."""
 
@@ -156,6 +187,10 @@ class Store:
         # alloc(slot) -> a new array of the slot's dtype and shape, or None for private memory: the
         # server points it at its shared value segments (kvps.wire.shm.Values); None: numpy's
         self.alloc = None
+        # deferred copies (above): set by a replicated server; on_round(slot, sum) after each round
+        # closed with dense pushes
+        self.deferring = False
+        self.on_round = None
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "pooled": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
                       "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
                       "staleness": self.clocks.staleness}
@@ -303,7 +338,7 @@ class Store:
                 slot.value.nbytes >= POOL_BYTES and all(type(p) is not Rows for p in pending))
 
     def _close_round(self, slot):
-        pending, acks, members = slot.pending, slot.acks, slot.in_round
+        pending, pushers, acks, members = slot.pending, slot.pushers, slot.acks, slot.in_round
         # A joined worker's zeros count as its push, so its pulls never wait and its count stays in step.
         for worker in self.joined - slot.in_round:
             slot.pushes[worker] = slot.pushes.get(worker, 0) + 1
@@ -311,28 +346,75 @@ class Store:
         if self.clocks.late:
             self.clocks.late.pop(slot.id, None)
         merge_start = time.time() if self.observer is not None else 0.0
+        summed = self.on_round is not None and any(type(p) is not Rows for p in pending)
+        if self.deferring and not _resolved(pending):
+            # Deferred pushes without their values: the round waits for its sum (round_sum) or for
+            # them (fill). Its pulls wait, and the next round does not close, until then.
+            slot.busy = True
+            slot.awaiting = (pending, pushers, acks, members, merge_start)
+            self._enter_early(slot)
+            return
         if self.pool is not None and self._offloads(slot, pending):
             work, apply = self._merge_job(slot, pending)
             slot.busy = True
-            self.pool.submit(work, lambda error: self._round_merged(slot, acks, members, merge_start, error, apply))
+            self.pool.submit(work, lambda error: self._round_merged(slot, acks, members, merge_start, error, apply,
+                                                                    summed=summed))
             # The pushes held for the next round enter it now, before any later push can (its pulls
             # wait, and it does not close, until this round is merged).
-            early, slot.early = slot.early, []
-            for worker, array, done in early:
-                self._enter(slot, worker, array, done)
+            self._enter_early(slot)
             return
         try:
             self._merge(slot, pending)
         except Exception as exc:
             self._round_merged(slot, acks, members, merge_start, exc)
             return
-        self._round_merged(slot, acks, members, merge_start, None)
+        self._round_merged(slot, acks, members, merge_start, None, summed=summed)
+        self._enter_early(slot)
+
+    def _enter_early(self, slot):
         early, slot.early = slot.early, []
         for worker, array, done in early:
             self._enter(slot, worker, array, done)
 
-    def _round_merged(self, slot, acks, members, merge_start, error, apply=None):
-        """The rest of closing a round, once it is merged (inline, or on the pool: then on the I/O thread)."""
+    def round_sum(self, key, part, version, total):
+        """The sum of the round of (key, part) that makes its `version`, from the server before this
+        one in the chain (ROUND), for a round here whose pushes were deferred. A round this server
+        already closed from the workers' values (its head died, `fill`) takes nothing; any other
+        mismatch raises ProtocolError, and nothing changes."""
+        slot = self.check(key, part, total.dtype, total.shape)
+        if slot.awaiting is None and slot.version >= version:
+            return
+        if slot.awaiting is None:
+            raise ProtocolError(f"the sum of round {version} of {slot.name()} came, but no round waits for "
+                                f"one here (version {slot.version})")
+        if slot.version + 1 != version:
+            raise ProtocolError(f"the sum of round {version} of {slot.name()} came, but round "
+                                f"{slot.version + 1} waits for one here")
+        self._finish_awaiting(slot, [total])
+
+    def fill(self, key, part, deferred, array):
+        """The values of a Deferred push, sent again by its worker: a round that waited only for
+        them closes (with the same pushes, in the same order, as at the head)."""
+        slot = self.check(key, part, array.dtype, array.shape)
+        deferred.array = array
+        if slot.awaiting is not None and _resolved(slot.awaiting[0]):
+            self._finish_awaiting(slot, slot.awaiting[0])
+
+    def _finish_awaiting(self, slot, pending):
+        _, _, acks, members, merge_start = slot.awaiting
+        slot.awaiting = None
+        try:
+            self._merge(slot, pending)
+        except Exception as exc:
+            self._round_merged(slot, acks, members, merge_start, exc)
+            return
+        self._round_merged(slot, acks, members, merge_start, None, resumed=True,
+                           summed=self.on_round is not None)
+
+    def _round_merged(self, slot, acks, members, merge_start, error, apply=None, summed=False, resumed=False):
+        """The rest of closing a round, once it is merged (inline, on the pool: then on the I/O
+        thread, or with its sum from the chain: `resumed`). `summed`: it had dense pushes, so
+        on_round hears of it."""
         slot.busy = False
         if error is None and apply is not None:
             apply()
@@ -352,12 +434,14 @@ class Store:
         slot.version += 1
         self.stats["rounds"] += 1
         closed = time.time() if self.observer is not None else 0.0
+        if summed:                          # before the acks: the chain holds their replies for it
+            self.on_round(slot, slot.merge if self.rule is not None else slot.value)
         for ack in acks:
             ack(None)
         self._release_pulls(slot)
         if self.observer is not None:       # after the replies: timing a round never delays one
             self.observer.round_closed(slot, slot.opened or merge_start, merge_start, closed)
-        if apply is not None and slot.in_round and self.clocks.round_complete(slot):
+        if (apply is not None or resumed) and slot.in_round and self.clocks.round_complete(slot):
             self._close_round(slot)         # the next round filled up while this one was merged
 
     def _merge_job(self, slot, pending):
@@ -366,7 +450,7 @@ class Store:
         box = {}
         if self.rule is not None:
             self._own(slot)
-            scratch = slot.merge
+            scratch = self._scratch(slot)
 
             def work():
                 box["merge"] = self._sum(slot, pending, scratch)
@@ -391,7 +475,7 @@ class Store:
         if any(type(p) is Rows for p in pending):
             return self._merge_rows(slot, pending)
         if self.rule is not None:
-            slot.merge = self._sum(slot, pending, slot.merge)
+            slot.merge = self._sum(slot, pending, self._scratch(slot))
             self._apply(slot, slot.merge)
         elif not slot.sent or self._settled(slot):
             # The round's sum replaces the value; the old value is next round's scratch buffer.
@@ -410,12 +494,22 @@ class Store:
             return
         dense = [p.dense(slot.shape) if type(p) is Rows else p for p in pending]
         if self.rule is not None:
-            slot.merge = self._sum(slot, dense, slot.merge)
+            slot.merge = self._sum(slot, dense, self._scratch(slot))
             self._apply(slot, slot.merge)
             return
         settled = not slot.sent or self._settled(slot)       # as _merge: the old value may still be sending
         new = self._sum(slot, dense, slot.merge if settled else None)
         slot.merge, slot.value, slot.sent = (slot.value if settled else None), new, []
+
+    @staticmethod
+    def _scratch(slot):
+        """The slot's sum buffer for the next round, or None (a new one) while a send still reads it."""
+        if slot.merge_sent:
+            if not all(t.done for t in slot.merge_sent):
+                slot.merge_sent = []
+                return None
+            slot.merge_sent = []
+        return slot.merge
 
     def _fresh(self, slot):
         """New memory for a slot's value or round sum: shared (see `alloc`) where it can be."""
@@ -506,6 +600,10 @@ class Store:
         if slot is not None:
             slot.sent.append(tracker)
 
+    def forwarding(self, slot, tracker):
+        """The sum on_round gave is being sent without a copy: keep it as it is until tracker.done."""
+        (slot.merge_sent if self.rule is not None else slot.sent).append(tracker)
+
     def _settled(self, slot):
         return all(t.done for t in slot.sent)
 
@@ -530,7 +628,7 @@ class Store:
         self.joined.add(worker)
         if self.mode == "sync":
             for slot in self.slots.values():
-                if slot.in_round and self.clocks.round_complete(slot):
+                if slot.in_round and not slot.busy and self.clocks.round_complete(slot):
                     self._close_round(slot)
         elif self.mode == "ssp":
             for slot in self.slots.values():
@@ -550,7 +648,7 @@ class Store:
         for slot in self.slots.values():
             slot.early = [item for item in slot.early if item[0] != worker]
             slot.pull_waiters = [item for item in slot.pull_waiters if item[0] != worker]
-            if self.mode == "sync" and slot.in_round and self.clocks.round_complete(slot):
+            if self.mode == "sync" and slot.in_round and not slot.busy and self.clocks.round_complete(slot):
                 self._close_round(slot)
             elif self.mode == "ssp":
                 self._release_pulls(slot)
@@ -610,7 +708,8 @@ class Store:
             # The clocks of the value saved: pushes waiting in an open round are not in it (a job
             # resumed from here has those workers push them again).
             pushes = dict(slot.pushes)
-            for worker in [*slot.in_round, *(w for w, _, _ in slot.early)]:
+            awaiting = slot.awaiting[1] if slot.awaiting is not None else ()
+            for worker in [*awaiting, *slot.in_round, *(w for w, _, _ in slot.early)]:
                 pushes[worker] -= 1
             out.append({"key": key, "part": part, "value": slot.value.copy() if copy else slot.value, "opt": opt,
                         "version": slot.version, "pushes": sorted(pushes.items()),
@@ -628,6 +727,8 @@ class Store:
         for record in records:
             slot = self.slots[(record["key"], record["part"])]
             waiting = list(zip(slot.pushers, slot.pending)) + [(w, a) for w, a, _ in slot.early]
+            if slot.awaiting is not None:       # a round waiting for its sum goes first
+                waiting = list(zip(slot.awaiting[1], slot.awaiting[0])) + waiting
             out.append((record, [(w, a.copy() if isinstance(a, np.ndarray) else a) for w, a in waiting]))
         return out
 
@@ -653,7 +754,7 @@ class Store:
         applies it when it closes)."""
         self.quiesce()
         slot = self.check(key, part, dtype, shape)
-        if idle and (slot.pending or slot.early or slot.pull_waiters):
+        if idle and (slot.pending or slot.early or slot.pull_waiters or slot.awaiting):
             raise KVValueError(f"{slot.name()} has a sync round or a pull in progress; load a checkpoint "
                                f"while no worker pushes (kv.load waits for every worker)")
         return slot

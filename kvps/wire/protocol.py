@@ -83,6 +83,7 @@ class Op(enum.IntEnum):
     ATTACH = 35
     # data: server -> server (chain replication)
     STATE = 36
+    ROUND = 37
     # data: worker -> worker
     RING = 40
 
@@ -211,6 +212,8 @@ _MAPPED = Field(INT, "how many of the server's value segments this worker has ma
 _HOME = Field(INT, "the home rank of the entries' key range (KVPS_REPLICAS: it picks the chain)", required=False)
 _CHAIN = Field(BOOL, "a copy forwarded along the range's chain by the server before this one, which gets "
                      "the reply (a PUSHPULL copy is applied as its push and answered with ACK)", required=False)
+_DEFERRED = Field(BOOL, "a copy without values (one replica, sync): its entries hold their places in their "
+                         "rounds, whose sums come in ROUND messages", required=False)
 _REPLICATED = {"home": _HOME, "chain": _CHAIN}
 
 SCHEMA = {
@@ -299,12 +302,12 @@ SCHEMA = {
     Op.INIT: Message("worker -> server", "declare keys: rank 0's entries carry the initial values, the other "
                                          "ranks' the shapes only; answered with ACK", dict(_REPLICATED)),
     Op.PUSH: Message("worker -> server", "add the entries' payloads into their keys; answered with ACK",
-                     {"codec": _CODEC, "shm": _SHM_IN, **_REPLICATED}),
+                     {"codec": _CODEC, "shm": _SHM_IN, "deferred": _DEFERRED, **_REPLICATED}),
     Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE",
                      {"into": _SHM_INTO, "mapped": _MAPPED, "pull": _PULL, "home": _HOME}),
     Op.PUSHPULL: Message("worker -> server", "PUSH, then PULL of the same entries; answered with VALUE",
                          {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "mapped": _MAPPED, "pull": _PULL,
-                          **_REPLICATED}),
+                          "deferred": _DEFERRED, **_REPLICATED}),
     Op.ROW_SPARSE_PULL: Message("worker -> server", "read some rows: each entry's payload holds int64 row ids "
                                                     "local to its part; answered with VALUE", {"home": _HOME}),
     Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
@@ -350,11 +353,20 @@ SCHEMA = {
             "count": Field(INT, "the update rule's step count (absent: no rule state)", required=False),
             "arrays": Field(ListOf(STR), "what each of this slot's entries after its value is: master, state<j> or "
                                          "none (a state array the rule does not keep), push <worker> (a push "
-                                         "waiting in the open round), rows (the row ids of the push before)"),
+                                         "waiting in the open round), rows (the row ids of the push before); "
+                                         "defer <worker> (a push whose values the round's ROUND brings) has "
+                                         "no entry"),
         })), "per slot, its counters and how many entries follow its value entry"),
         "window": Field(ListOf(Tuple((STR, INT, ListOf(INT), ListOf(INT)))),
                         "[worker, highest id forgotten, ids answered, ids answered with values] of the range's "
                         "requests (kvps/wire/window.py): asked again, they are not applied twice"),
+    }),
+    Op.ROUND: Message("server -> server", "chain replication with one replica, sync: the sum of a round the "
+                                          "sender closed, one entry, for the round that the deferred copies of "
+                                          "its pushes opened at the receiver (server/replication.py); not "
+                                          "answered (the copies are)", {
+        "home": Field(INT, "the home rank of the entry's key range"),
+        "round": Field(INT, "the key's version once the round is applied (its rounds closed so far)"),
     }),
     Op.STATS: Message("worker -> server", "ask for the server's counters; the reply (STATS too) has these fields", {
         "pushes": Field(INT, "entries pushed", required=False),
@@ -385,6 +397,8 @@ SCHEMA = {
                              "segments (kvps/wire/shm.py)", required=False),
         "forwarded": Field(INT, "requests forwarded to the next server of a key range's chain (KVPS_REPLICAS)",
                            required=False),
+        "round_sums": Field(INT, "round sums sent to the next server of a chain (ROUND; one replica, sync)",
+                            required=False),
     }),
     Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
     Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "
