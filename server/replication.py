@@ -22,7 +22,10 @@ a chain link then carries M bytes a round instead of W·M, and the replica copie
 adding W arrays. The replica applies that sum as its own round's, so both hold the same bits. If the
 head dies first, the workers send their unanswered requests to the replica, as below, and their
 values fill the places they hold (Server._fill): the round closes with the same pushes, in the same
-order, as at the head. With R >= 2 copies keep their values (a middle server's death would need its
+order, as at the head. Where the next server is on the same host the sum does not cross the socket:
+it lies in the head's value segments (kvps/wire/shm.py: Values), the ROUND names where, the next
+server copies it out of them (mapped read-only, as a co-located worker reads pulls) and answers, and
+the head writes that memory again only after the answer. With R >= 2 copies keep their values (a middle server's death would need its
 head to keep each round's sum until the tail had it).
 
     chain.round(slot, total)                # Store.on_round, as a round closes: the sum to the next server
@@ -36,13 +39,14 @@ rank it joins the tail of that rank's chains, and the old tail hands it the stat
 """
 import dataclasses
 import logging
+import os
 
 import numpy as np
 
 from kvps.wire import chains
 from server import handover
 from kvps.wire.membership import node_name
-from kvps.wire.protocol import Entry, Header, Op
+from kvps.wire.protocol import Entry, Header, Op, dtype_code
 
 log = logging.getLogger("kvps.server")
 
@@ -103,13 +107,23 @@ class Chain:
         self.connected = set()
         self.forwarded = 0                  # copies sent (for server_stats)
         self.rounds = 0                     # round sums sent (for server_stats)
+        self.rounds_shared = 0              # of which the next server read in shared memory
         # copies sent without values (set with the store: one replica, sync), and on a replica the
         # Deferred places each such copy holds: (worker, request id) -> [(key, part, Deferred)]
         self.defer = False
         self.places = {}
+        # test only: the server so named never sends a round sum, so its replicas' rounds wait for
+        # the workers' values once it is killed (tests/cluster/test_replication.py)
+        self.hold_sums = os.environ.get("KVPS_TEST_HOLD_ROUNDS")
         # the round sums of the request being handled, sent after its copy (Server._replicated): the
         # copy of a round's last push must reach the next server before the round's sum
         self.handling = None
+        # sums the next server reads in our value segments: ROUND id -> (peer, slot, total, Sending,
+        # home, version), until it answers; segments offered to each peer; peers that cannot read them
+        self.sums = {}
+        self.offered = {}
+        self.inline = set()
+        self._sum_id = 0
 
     def successor(self, home):
         return chains.successor(home, self.server.rank, self.num_servers, self.replicas, self.dead, self.joined)
@@ -155,7 +169,7 @@ class Chain:
         """A round of `slot` closed here with `total` as its sum: send it to the next server of the
         slot's chain, whose copies of the round's pushes wait for it (they go first, on the same
         connection). zmq sends it without a copy; the store keeps it until then."""
-        if not self.defer:
+        if not self.defer or self.hold_sums == self.server.name:
             return
         home = self.server.homes.get(slot.id, self.server.rank)
         nxt = self.successor(home)
@@ -163,17 +177,59 @@ class Chain:
             return
         peer = node_name("server", nxt)
         self._connect(peer)
-        key, part = slot.id
         sending = Sending()
         self.server.store.forwarding(slot, sending)
-        header = Header(Op.ROUND, 0, self.server.name, [Entry.of(key, part, total)],
-                        {"home": home, "round": slot.version})
-        payloads = [memoryview(np.ascontiguousarray(total).reshape(-1).view(np.uint8))] if total.nbytes else []
         self.rounds += 1
-        if self.handling is not None:
-            self.handling.append((peer, header, payloads, sending.release))
+        at = self._shared(peer, total)
+        if at is None:
+            header, payloads = _inline(self.server.name, slot.id, total, home, slot.version)
+            done = sending.release
         else:
-            self.server.van.send(peer, header, payloads, on_sent=sending.release)
+            self._sum_id += 1
+            values = self.server.values
+            meta = {"home": home, "round": slot.version, "at": list(at)}
+            offers = values.offers(self.offered.get(peer, 0))
+            if offers:
+                meta["segments"] = offers
+                self.offered[peer] = values.count
+            key, part = slot.id
+            header = Header(Op.ROUND, self._sum_id, self.server.name,
+                            [Entry(key, part, dtype_code(total.dtype), total.shape, 0)], meta)
+            payloads, done = [], None
+            self.sums[self._sum_id] = (peer, slot, total, sending, home, slot.version)
+            self.rounds_shared += 1
+        if self.handling is not None:
+            self.handling.append((peer, header, payloads, done))
+        else:
+            self.server.van.send(peer, header, payloads, on_sent=done)
+
+    def _shared(self, peer, total):
+        """(segment, offset) of a round's sum for a next server on this host that reads our value
+        segments, else None (it goes inline)."""
+        values = self.server.values
+        if values is None or peer in self.inline:
+            return None
+        if self.server.membership["servers"][int(peer[1:])][0] != self.server.host:
+            return None
+        return values.locate(total)
+
+    def sum_read(self, peer, reply):
+        """The next server's answer to a ROUND it read in our segments: the memory is ours again; or
+        it could not read it (meta inline): send that sum, and every later one, inline."""
+        entry = self.sums.get(reply.id)
+        if entry is None or entry[0] != peer:
+            return
+        del self.sums[reply.id]
+        _, slot, total, sending, home, version = entry
+        if reply.op == Op.ACK and not reply.meta.get("inline"):
+            sending.release()
+            return
+        if peer not in self.inline:
+            self.inline.add(peer)
+            log.warning("%s: %s cannot read round sums in shared memory; they go inline from now on",
+                        self.server.name, peer)
+        header, payloads = _inline(self.server.name, slot.id, total, home, version)
+        self.server.van.send(peer, header, payloads, on_sent=sending.release)
 
     def cancel(self, fwd):
         """The handler refused the request: no copy goes, and its ERROR is sent at once."""
@@ -201,7 +257,9 @@ class Chain:
         return False
 
     def acked(self, peer, reply):
-        """A successor answered a copy (I/O thread)."""
+        """A successor answered a copy, or a round sum it read in our memory (I/O thread)."""
+        if reply.meta.get("for") == self.server.name:
+            return self.sum_read(peer, reply)
         key = (reply.meta.get("for"), reply.id)
         fwd = self.pending.get(key)
         if fwd is None or fwd.peer != peer:
@@ -235,6 +293,10 @@ class Chain:
         self.dead, self.joined = set(meta["dead"]), list(meta.get("joined", ()))
         if "servers" in meta:
             self.server.membership = dict(self.server.membership, servers=meta["servers"])
+        for sum_id, entry in list(self.sums.items()):
+            if int(entry[0][1:]) in self.dead:      # it will never read that memory: ours again
+                del self.sums[sum_id]
+                entry[3].release()
         for rank in self.dead:          # a DEALER would keep what is queued for it for good
             peer = node_name("server", rank)
             if peer in self.connected:
@@ -243,6 +305,8 @@ class Chain:
         for home in homes:
             nxt = self.successor(home)
             if nxt is not None and nxt != before[home] and nxt in self.joined:
+                self.offered.pop(node_name("server", nxt), None)       # a new process: it maps anew
+                self.inline.discard(node_name("server", nxt))
                 self._connect(node_name("server", nxt))
                 header, payloads = handover.state(self.server, home)
                 self.server.van.send(node_name("server", nxt), header, payloads)
@@ -265,3 +329,10 @@ class Chain:
             host, port, _ = self.server.membership["servers"][int(peer[1:])]
             self.server.van.connect(peer, host, port)
             self.connected.add(peer)
+
+
+def _inline(name, slot_id, total, home, version):
+    """A ROUND carrying its sum as a payload."""
+    key, part = slot_id
+    header = Header(Op.ROUND, 0, name, [Entry.of(key, part, total)], {"home": home, "round": version})
+    return header, ([memoryview(np.ascontiguousarray(total).reshape(-1).view(np.uint8))] if total.nbytes else [])

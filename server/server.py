@@ -44,7 +44,7 @@ from kvps.errors import KVPSError, KVValueError, NodeFailure, ProtocolError, des
 from kvps.wire.membership import Node, advertised_host, parse_name
 from kvps.wire.protocol import (CLOSED, MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
                                 numpy_dtype, quote)
-from kvps.wire.shm import Mapped, ShmRefused, Values
+from kvps.wire.shm import Mapped, Reader, ShmRefused, Values
 from kvps.wire.throttle import escape
 from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 
@@ -208,6 +208,7 @@ class Server(Node):
         self.homes = {}                         # (key, part) -> the home rank of its range (KVPS_REPLICAS)
         self._redirect = {}                     # (client, id) -> (routing id, request): who asked last
         self._ranks = {}                        # worker name -> its rank (names checked once)
+        self._sum_readers = {}                  # (server name, pid) -> Reader of its value segments (ROUND)
 
     def serve(self):
         self.start()
@@ -249,7 +250,9 @@ class Server(Node):
                 # copies without values, one sum a round (server/replication.py)
                 self.chain.defer = self.store.deferring = True
                 self.store.on_round = self.chain.round
-            if self.cfg.shm and not self.cfg.replicas and not self.cfg.elastic and \
+            # values in shared segments: co-located workers read pulls out of them, or, with deferred
+            # copies, the next server of a chain reads round sums out of them (server/replication.py)
+            if self.cfg.shm and (not self.cfg.replicas or self.store.deferring) and not self.cfg.elastic and \
                     self.store.consistency.wire() == "sync":
                 self.values = Values()
                 self.store.alloc = lambda slot: self.values.alloc(slot.id, slot.dtype, slot.shape)
@@ -687,8 +690,40 @@ class Server(Node):
         if self.chain is None or not self.chain.defer or role != "server":
             raise ProtocolError(f"ROUND from {quote(header.src)}: only a server of a sync job with one replica "
                                 f"sends it")
+        if header.meta.get("at") is not None:
+            return self._round_shared(routing_id, header)
         for e, total in self._arrays(header, payloads, need=True):
             self.store.round_sum(e.key, e.part, header.meta["round"], total)
+
+    def _round_shared(self, routing_id, header):
+        """A ROUND whose sum lies in the sender's value segments: copy it out (the store copies what
+        it applies), then answer, so the sender may write that memory again; or answer that it
+        could not be read, and the sender sends it inline."""
+        if len(header.keys) != 1:
+            raise ProtocolError(f"ROUND from {quote(header.src)} names {len(header.keys)} entries in shared memory; one")
+        rank = parse_name(header.src)[1]
+        host, _, pid = self.membership["servers"][rank]
+        reader = self._sum_readers.get((header.src, pid))
+        if reader is None:
+            reader = self._sum_readers[(header.src, pid)] = Reader(header.src, pid)
+        reader.offered(header.meta.get("segments", ()))
+        why = reader.refused if host == self.host else f"{header.src} is on {host}, this server on {self.host}"
+        if why is None:
+            e = header.keys[0]
+            dtype = numpy_dtype(e.dtype)
+            segment, offset = header.meta["at"]
+            try:
+                view = reader.view(segment, offset, math.prod(e.shape) * dtype.itemsize)
+            except ShmRefused as exc:
+                why = str(exc)
+            else:
+                self.store.round_sum(e.key, e.part, header.meta["round"], view.view(dtype).reshape(e.shape))
+        meta = {"for": header.src}
+        if why is not None:
+            meta["inline"] = True
+            self.van.complaints(log, logging.WARNING, "%s: cannot read %s's round sums in shared memory (%s); "
+                                "asking for them inline", self.name, header.src, escape(why))
+        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name, meta=meta))
 
     def _decoded(self, entry, array, codec):
         """A compressed float32 push, decoded into the float32 gradient it stands for."""
@@ -761,7 +796,8 @@ class Server(Node):
                     keys=len(self.store.slots), mode=self.store.consistency.wire(),
                     duplicates=self.window.duplicates, shared=self.shared_entries, placed=self.placed_entries,
                     forwarded=self.chain.forwarded if self.chain is not None else 0,
-                    round_sums=self.chain.rounds if self.chain is not None else 0)
+                    round_sums=self.chain.rounds if self.chain is not None else 0,
+                    round_sums_shared=self.chain.rounds_shared if self.chain is not None else 0)
         self.answer(routing_id, header, Header(Op.STATS, header.id, self.name, meta=meta))
 
     def _take_over(self, routing_id, header, payloads):

@@ -272,7 +272,10 @@ SCHEMA = {
         "bytes": Field(INT, "SAVE replies: its size", required=False),
         "checksum": Field(INT, "SAVE replies: the CRC-32 of its header, which holds each tensor's CRC-32",
                           required=False),
-        "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is", required=False),
+        "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is; replies "
+                          "to a ROUND read in shared memory name its sender", required=False),
+        "inline": Field(BOOL, "ROUND replies: its sum could not be read in the sender's memory; send it, and "
+                              "every later one, inline", required=False),
     }),
     Op.ERROR: Message("reply", "the request failed; the receiver raises the kind's exception with the message", {
         "kind": Field(STR, "value, key, protocol, node or error (kvps.errors.REMOTE_KINDS)"),
@@ -367,6 +370,12 @@ SCHEMA = {
                                           "answered (the copies are)", {
         "home": Field(INT, "the home rank of the entry's key range"),
         "round": Field(INT, "the key's version once the round is applied (its rounds closed so far)"),
+        "at": Field(Tuple((INT, INT)), "[segment, offset]: the sum lies in the sender's value segments (the "
+                                       "receiver is on its host), not in a payload; the receiver copies it out "
+                                       "and answers ACK (the sender then writes that memory again)", required=False),
+        "segments": Field(ListOf(Tuple((INT, INT, BYTES))), "[segment, fd, nonce]: value segments of the sender "
+                                                           "offered for the first time, to map read-only as a "
+                                                           "worker maps VALUE's", required=False),
     }),
     Op.STATS: Message("worker -> server", "ask for the server's counters; the reply (STATS too) has these fields", {
         "pushes": Field(INT, "entries pushed", required=False),
@@ -399,6 +408,7 @@ SCHEMA = {
                            required=False),
         "round_sums": Field(INT, "round sums sent to the next server of a chain (ROUND; one replica, sync)",
                             required=False),
+        "round_sums_shared": Field(INT, "of which the next server read in this server's memory", required=False),
     }),
     Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
     Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "

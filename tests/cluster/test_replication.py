@@ -73,6 +73,66 @@ def test_kill_a_server_in_sync_the_weights_are_exact(cluster):
     assert resumed < 2.0 + 3.0, resumed
 
 
+def test_a_head_that_dies_before_sending_a_rounds_sum_loses_nothing(cluster):
+    """One replica, sync: the replicas get copies of the pushes without their values, and each
+    round's sum from the head. S1 here never sends a sum (KVPS_TEST_HOLD_ROUNDS, test only), so its
+    replica's rounds wait with the pushes' places only; when S1 is killed, the workers send their
+    unanswered requests again, whose values fill those places, and the weights end as a clean run's,
+    bit for bit."""
+    steps = 6
+    clean = cluster(2, 3, env=ENV)
+    clean.run_workers(SCRIPT, timeout=90, env={"STEPS": str(steps)})
+    expected = _final(clean)
+
+    c = cluster(2, 3, env=dict(ENV, KVPS_TEST_HOLD_ROUNDS="S1", KVPS_LOG_LEVEL="INFO"))
+    procs = c.spawn_workers(SCRIPT, env={"STEPS": str(steps)})
+    wait_for(lambda: all(any("step" in line for line in c.output(f"W{r}")) for r in range(2)), 60,
+             "both workers to end step 0")
+    # Their pulls read S1's values, but their pushes to S1 stay unanswered: S1's replica, S2, waits
+    # for sums that never come, and S1 answers a push only once S2 has applied it.
+    time.sleep(1.0)
+    assert not any("final" in line for line in c.output("W0")), c.logs()
+    c.proc("S1").kill()
+    c.wait(procs, 60)
+    assert [p.returncode for p in procs] == [0, 0], c.logs()
+    assert _final(c) == expected
+    assert "whose copy came without values" in (c.dir / "S2.err").read_text(), c.logs()
+
+
+SUMS_SCRIPT = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+big, small = np.zeros(50_000, np.float32), np.zeros(10, np.float32)    # 200 KB: a value segment; 40 B: not
+kv.init("big", big)
+kv.init("small", small)
+for step in range(5):
+    kv.push("big", np.full(big.shape, kv.rank + 1.0, np.float32))
+    kv.pull("big", out=big)
+    kv.pushpull("small", np.full(small.shape, kv.rank + 1.0, np.float32), out=small)
+kv.barrier()
+print(json.dumps({"big": sorted(set(big.tolist())), "small": sorted(set(small.tolist())),
+                  "stats": kv.server_stats() if kv.rank == 0 else {}}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_one_replica_gets_each_rounds_sum_once_not_every_workers_values(cluster, shm):
+    """The chain carries one sum a round, not each worker's push: the servers took in the workers'
+    bytes once (at the heads), every round closed at head and replica, and, on one host, the big
+    key's sums were read in the head's memory instead of crossing the socket."""
+    c = cluster(2, 2, env={"KVPS_REPLICAS": "1", "KVPS_SHM": shm})
+    out = c.run_workers(SUMS_SCRIPT, timeout=60)
+    results = [lines[-1] for lines in out]
+    assert all(r["big"] == [3.0] and r["small"] == [3.0] for r in results), results
+    stats = results[0]["stats"]
+    assert sorted(stats) == ["S0", "S1"], stats
+    assert sum(s["round_sums"] for s in stats.values()) == 2 * 5          # one per round of each key
+    assert sum(s["round_sums_shared"] for s in stats.values()) == (5 if shm == "1" else 0)
+    assert sum(s["rounds"] for s in stats.values()) == 2 * 2 * 5         # closed at head and replica
+    assert sum(s["bytes_in"] for s in stats.values()) == 5 * 2 * (200_000 + 40)
+    assert c.wait_daemons() == [0, 0, 0], c.logs()
+
+
 def test_kill_a_server_in_async_nothing_acknowledged_is_lost(cluster):
     """Without an optimizer every acknowledged push adds into the value; after the death each key
     holds exactly the sum of every push (all of them were acknowledged: the workers finished)."""

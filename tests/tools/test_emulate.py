@@ -59,19 +59,22 @@ def test_colocated_ps_with_a_server_per_host_matches_the_ring(W):
 
 @pytest.mark.parametrize("W,S,R", [(2, 2, 1), (4, 4, 1), (4, 2, 1), (4, 4, 3), (2, 4, 1), (8, 3, 2)])
 def test_replicated_dedicated_ps_bound(W, S, R):
-    # each server host also forwards R*W*M/S of copies along its chains and receives as much
+    # each server host also sends along its chains, and receives as much: one round sum, M/S, with
+    # one replica; every worker's push for each of R >= 2 replicas, R*W*M/S
+    copies = M / S if R == 1 else R * W * M / S
     t = theory(M, B, W, S, replicas=R)
-    assert t.ps == pytest.approx(max(M, (1 + R) * W * M / S) * 8 / B)
+    assert t.ps == pytest.approx(max(M, W * M / S + copies) * 8 / B)
     assert t.ring == theory(M, B, W, S).ring                     # the ring has no chains
-    if W * (1 + R) >= S:        # a server's link is the busiest: its pushes and pulls, W*M/S, plus the copies
-        assert t.ps - W * M / S * 8 / B == pytest.approx(R * W * M / S * 8 / B)
+    if W * M / S + copies >= M:     # a server's link is the busiest: its pushes and pulls, W*M/S, plus the copies
+        assert t.ps - W * M / S * 8 / B == pytest.approx(copies * 8 / B)
 
 
 @pytest.mark.parametrize("W,S,R,expected", [
-    (2, 2, 1, 2.0),         # (S-1)/S + (W-1)/S = 1, + the copies R*W/S = 1
-    (4, 4, 1, 2.5),         # 1.5 (the ring's) + 1
-    (4, 2, 1, 4.0),         # 2 + 2
-    (3, 2, 1, 3.0),         # (2+3-2)/2 + 3/2
+    (2, 2, 1, 1.5),         # (S-1)/S + (W-1)/S = 1, + one round sum 1/S
+    (4, 4, 1, 1.75),        # 1.5 (the ring's) + 1/4
+    (4, 2, 1, 2.5),         # 2 + 1/2
+    (3, 2, 1, 2.0),         # (2+3-2)/2 + 1/2
+    (4, 4, 2, 3.5),         # 1.5 + every push for each of 2 replicas, 2*4/4
 ])
 def test_replicated_colocated_ps_bound(W, S, R, expected):
     assert theory(M, B, W, S, colocated=True, replicas=R).ps == pytest.approx(expected * T)

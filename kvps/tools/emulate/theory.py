@@ -3,7 +3,7 @@ links of B bit/s each, full duplex, through a switch that is never the bottlenec
 
     theory(102_228_128, 1e9, W=4, S=1)                  # Prediction(ring=1.227, ps=3.271)
     theory(102_228_128, 1e9, W=4, S=4, colocated=True)  # ps == ring: BytePS's observation
-    theory(102_228_128, 1e9, W=2, S=2, replicas=1)      # Prediction(ring=0.818, ps=1.636): chains' copies
+    theory(102_228_128, 1e9, W=2, S=2, replicas=1)      # Prediction(ring=0.818, ps=1.227): rounds' sums
 
 Every host link carries data both ways at once, so a step takes as long as the busiest direction
 of the busiest link. With T = 8*M/B (one model's worth through one link):
@@ -20,15 +20,17 @@ of the busiest link. With T = 8*M/B (one model's worth through one link):
 With S = W co-located servers the PS bound is 2(W-1)/W * T, the ring's.
 
 Chain replication (KVPS_REPLICAS=R, server/replication.py) adds server-to-server bytes: the ranges
-of home h live on servers h, h+1, ..., h+R, and each member but the tail forwards every push it
-applies (each worker's, W of them a step: rounds are not summed first) to the next. A server is
-the head of one chain and a middle member of R-1, so it sends R*W*M/S more, and receives as much
-from its predecessors; the pulls are answered by the head alone, as without replicas. Every
-server-to-server hop crosses a host link (one server per host, in both placements), so:
+of home h live on servers h, h+1, ..., h+R. With R = 1 (these steps are sync) the head sends each
+round's sum to its replica, M/S a step, and the copies of the pushes carry no values; with R >= 2
+each member but the tail forwards every push it applies (each worker's, W of them a step). So a
+server sends C*M/S more, C = 1 for R = 1 and R*W for R >= 2 (it is the head of one chain and a
+middle member of R-1), and receives as much from its predecessors; the pulls are answered by the
+head alone, as without replicas. Every server-to-server hop crosses a host link (one server per
+host, in both placements), so:
 
-  PS, dedicated, R     a server host carries (1+R)*W*M/S each way          -> max(1, (1+R)*W/S) * T
-  PS, co-located, R    a host with a server carries (S+W-2+R*W)/S*M each way
-                                                                -> max((S+W-2+R*W)/S, [S<W]) * T
+  PS, dedicated, R     a server host carries (W+C)*M/S each way            -> max(1, (W+C)/S) * T
+  PS, co-located, R    a host with a server carries (S+W-2+C)/S*M each way
+                                                                -> max((S+W-2+C)/S, [S<W]) * T
 
 docs/emulate.md has the derivations and the figures measured beside them. The bound assumes keys
 spread evenly over the servers and ignores protocol headers (TCP/IP over 1500-byte frames carries
@@ -60,8 +62,15 @@ def theory(M_bytes, B_bits_per_s, W, S, colocated=False, replicas=0):
                           if replicas > 0 else f"R={replicas} replicas must not be negative")
     T = 8.0 * M_bytes / B_bits_per_s
     ring = 2.0 * (W - 1) / W * T
+    chain = chain_copies(W, replicas)
     if colocated:
-        ps = max((S + W - 2 + replicas * W) / S, 1.0 if S < W else 0.0) * T
+        ps = max((S + W - 2 + chain) / S, 1.0 if S < W else 0.0) * T
     else:
-        ps = max(1.0, (1 + replicas) * W / S) * T
+        ps = max(1.0, (W + chain) / S) * T
     return Prediction(ring, ps)
+
+
+def chain_copies(W, replicas):
+    """What a server of a sync job sends along its chains a step, in units of M/S (its share of the
+    model): one round sum with one replica, every worker's push for each of R >= 2 (0 without)."""
+    return 0 if replicas == 0 else 1 if replicas == 1 else replicas * W
