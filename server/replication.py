@@ -15,23 +15,24 @@ member has applied the update:
 
 Copies keep the worker's request id and name (meta "chain" marks them; their replies name the
 worker in meta "for"), so a server's window (kvps/wire/window.py) sees one stream of ids per worker
-and range whether they came from the worker or along the chain. With one replica in a sync job (`Chain.defer`), a copy of a PUSH or PUSHPULL goes without its values
+and range whether they came from the worker or along the chain.
+
+With one replica in a sync job (`Chain.defer`) a copy of a PUSH or PUSHPULL goes without its values
 ("deferred"): its pushes hold their places in the replica's rounds (kvps/ps/store.py: Deferred), and
 when the head closes a round it sends the round's sum once (ROUND) instead of every worker's values:
-a chain link then carries M bytes a round instead of W·M, and the replica copies one sum instead of
+a chain link carries M bytes a round instead of W·M, and the replica copies one sum instead of
 adding W arrays. The replica applies that sum as its own round's, so both hold the same bits. If the
 head dies first, the workers send their unanswered requests to the replica, as below, and their
-values fill the places they hold (Server._fill): the round closes with the same pushes, in the same
-order, as at the head. Where the next server is on the same host the sum does not cross the socket:
-it lies in the head's value segments (kvps/wire/shm.py: Values), the ROUND names where, the next
-server copies it out of them (mapped read-only, as a co-located worker reads pulls) and answers, and
-the head writes that memory again only after the answer. With R >= 2 copies keep their values (a middle server's death would need its
-head to keep each round's sum until the tail had it).
+values fill the places the copies hold (Server._fill): the round closes with the same pushes, in the
+same order, as at the head. Where the next server is on the same host the sum does not cross the
+socket: it lies in the head's value segments (kvps/wire/shm.py: Values), the ROUND names where, the
+next server copies it out (mapped read-only, as a co-located worker reads its pulls) and answers,
+and the head writes that memory again only after the answer. With R >= 2 the copies keep their
+values (a middle server's death would need its head to keep each round's sum until the tail had it).
 
     chain.round(slot, total)                # Store.on_round, as a round closes: the sum to the next server
 
-When a server dies the scheduler
-says so (SERVERS): every chain closes up, copies waiting on the dead one go to the next member (which
+When a server dies the scheduler says so (SERVERS): every chain closes up, copies waiting on the dead one go to the next member (which
 answers one it has already applied without applying it again), and the workers send what they had
 in flight to the new head the same way (kvps/wire/requests.py). When a new server takes a dead one's
 rank it joins the tail of that rank's chains, and the old tail hands it the state first
@@ -78,6 +79,17 @@ class Sending:
         self.done = True
 
 
+@dataclasses.dataclass
+class SharedSum:
+    """A round's sum that the next server reads in our value segments, until it answers."""
+    peer: str
+    slot: object                # kvps.ps.store.Slot
+    total: object               # the array, in a segment
+    sending: Sending
+    home: int
+    version: int
+
+
 class Held:
     """The zmq tracker of a held reply (Store.sent): not done while the reply is held, then as
     zmq's tracker of it says (a small reply is copied when it is sent: it has none)."""
@@ -118,8 +130,7 @@ class Chain:
         # the round sums of the request being handled, sent after its copy (Server._replicated): the
         # copy of a round's last push must reach the next server before the round's sum
         self.handling = None
-        # sums the next server reads in our value segments: ROUND id -> (peer, slot, total, Sending,
-        # home, version), until it answers; segments offered to each peer; peers that cannot read them
+        # ROUND id -> SharedSum; the value segments offered to each peer; peers that cannot read them
         self.sums = {}
         self.offered = {}
         self.inline = set()
@@ -196,7 +207,7 @@ class Chain:
             header = Header(Op.ROUND, self._sum_id, self.server.name,
                             [Entry(key, part, dtype_code(total.dtype), total.shape, 0)], meta)
             payloads, done = [], None
-            self.sums[self._sum_id] = (peer, slot, total, sending, home, slot.version)
+            self.sums[self._sum_id] = SharedSum(peer, slot, total, sending, home, slot.version)
             self.rounds_shared += 1
         if self.handling is not None:
             self.handling.append((peer, header, payloads, done))
@@ -216,20 +227,19 @@ class Chain:
     def sum_read(self, peer, reply):
         """The next server's answer to a ROUND it read in our segments: the memory is ours again; or
         it could not read it (meta inline): send that sum, and every later one, inline."""
-        entry = self.sums.get(reply.id)
-        if entry is None or entry[0] != peer:
+        shared = self.sums.get(reply.id)
+        if shared is None or shared.peer != peer:
             return
         del self.sums[reply.id]
-        _, slot, total, sending, home, version = entry
         if reply.op == Op.ACK and not reply.meta.get("inline"):
-            sending.release()
+            shared.sending.release()
             return
         if peer not in self.inline:
             self.inline.add(peer)
             log.warning("%s: %s cannot read round sums in shared memory; they go inline from now on",
                         self.server.name, peer)
-        header, payloads = _inline(self.server.name, slot.id, total, home, version)
-        self.server.van.send(peer, header, payloads, on_sent=sending.release)
+        header, payloads = _inline(self.server.name, shared.slot.id, shared.total, shared.home, shared.version)
+        self.server.van.send(peer, header, payloads, on_sent=shared.sending.release)
 
     def cancel(self, fwd):
         """The handler refused the request: no copy goes, and its ERROR is sent at once."""
@@ -293,10 +303,10 @@ class Chain:
         self.dead, self.joined = set(meta["dead"]), list(meta.get("joined", ()))
         if "servers" in meta:
             self.server.membership = dict(self.server.membership, servers=meta["servers"])
-        for sum_id, entry in list(self.sums.items()):
-            if int(entry[0][1:]) in self.dead:      # it will never read that memory: ours again
+        for sum_id, shared in list(self.sums.items()):
+            if int(shared.peer[1:]) in self.dead:   # it will never read that memory: ours again
                 del self.sums[sum_id]
-                entry[3].release()
+                shared.sending.release()
         for rank in self.dead:          # a DEALER would keep what is queued for it for good
             peer = node_name("server", rank)
             if peer in self.connected:

@@ -715,7 +715,8 @@ class Server(Node):
             try:
                 view = reader.view(segment, offset, math.prod(e.shape) * dtype.itemsize)
             except ShmRefused as exc:
-                why = str(exc)
+                # for good: a later sum read here while this one goes inline would come first
+                why = reader.refused = str(exc)
             else:
                 self.store.round_sum(e.key, e.part, header.meta["round"], view.view(dtype).reshape(e.shape))
         meta = {"for": header.src}
