@@ -345,7 +345,7 @@ class Server(Node):
         client = self._client(request, routing_id)
         if request.meta.get("chain"):
             reply.meta = dict(reply.meta or {}, **{"for": request.src})
-            if request.meta.get("deferred"):
+            if request.meta.get("deferred") and self.chain is not None:
                 self.chain.places.pop((request.src, request.id), None)
         # values may be big, and change; a PUSHPULL copy along a chain is answered as its push
         recompute = reply.op in (Op.VALUE, Op.STATS) or (request.op == Op.PUSHPULL and reply.op == Op.ACK)
@@ -702,6 +702,8 @@ class Server(Node):
         if len(header.keys) != 1:
             raise ProtocolError(f"ROUND from {quote(header.src)} names {len(header.keys)} entries in shared memory; one")
         rank = parse_name(header.src)[1]
+        if rank >= len(self.membership["servers"]):
+            raise ProtocolError(f"ROUND from {quote(header.src)}, which is not one of this job's servers")
         host, _, pid = self.membership["servers"][rank]
         reader = self._sum_readers.get((header.src, pid))
         if reader is None:

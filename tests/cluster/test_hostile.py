@@ -141,6 +141,14 @@ def test_lies_get_clear_errors_and_the_job_is_exact(cluster):
         reply = s.ask([Header(Op.ROW_SPARSE_PULL, 8, "W0", [Entry.of("emb", 0, ids)] * 2).encode(), ids.tobytes(),
                        ids.tobytes()])
         assert reply.op == Op.ERROR and "twice" in reply.meta["message"], reply.meta
+        # what only a replica of a sync job with one replica takes: a round's sum, a copy without values
+        total = np.ones(8, np.float32)
+        reply = s.ask([Header(Op.ROUND, 10, "S0", [Entry.of("w", 0, total)], {"home": 0, "round": 1}).encode(),
+                       total.tobytes()])
+        assert reply.op == Op.ERROR and "only a server of a sync job with one replica" in reply.meta["message"]
+        reply = s.ask([Header(Op.PUSH, 11, "W0", [Entry.bare("w", 0, 0, (8,))],
+                              {"deferred": True, "chain": True, "home": 0}).encode()])
+        assert reply.op == Op.ERROR and "defers its values" in reply.meta["message"], reply.meta
         # a flood of bad messages writes a bounded log
         for i in range(500):
             s.ask([b"\xc1not msgpack"])
