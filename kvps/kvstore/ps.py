@@ -128,10 +128,9 @@ class DistKVStore(KVStore):
         # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
         self._order = Order(strict=bool(self._node.requests.resend_after))
         # small calls go on the calling thread's own connections (kvps/wire/lane.py), except where a
-        # request may have to be sent again or elsewhere (resends, faults, replicas)
+        # request may have to be sent again after a timeout (resends, faults)
         self._lanes = None
-        if self.cfg.lane_bytes and not self.cfg.replicas and not self._node.requests.resend_after and \
-                self._node.faults is None:
+        if self.cfg.lane_bytes and not self._node.requests.resend_after and self._node.faults is None:
             # (the node outlives this kvstore: what it holds, such as the lanes, must not hold the kvstore)
             self._lanes = Lanes(self._node, functools.partial(_server_address, self._node))
         # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read

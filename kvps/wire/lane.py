@@ -21,8 +21,11 @@ ends a lane's wait as it ends every other wait: with the NodeFailure, within one
 Request ids come from the node's own counter, so a server sees one stream of ids per connection
 (kvps/wire/window.py), as for the I/O thread's requests. Requests on one lane reach a server in
 the order they were sent; the kvstore keeps a key's calls in order across the two paths
-(kvps/kvstore/ps.py: Order). Lanes are off where a request may have to be sent again or to another
-server (KVPS_FAULTS, KVPS_RESEND_TIMEOUT, KVPS_REPLICAS): those need the I/O thread's resends.
+(kvps/kvstore/ps.py: Order). Lanes are off where a request may have to be sent again after a timeout
+(KVPS_FAULTS, KVPS_RESEND_TIMEOUT): those need the I/O thread's resends. With KVPS_REPLICAS a lane
+keeps each request's bytes until its reply, and when a server dies (the node's SERVERS) it sends
+what waited on it, same ids, to the new head of its range, as the I/O thread does (kvps/wire/requests.py:
+redirect); the server applies nothing twice.
 """
 import threading
 import time
@@ -30,7 +33,7 @@ import weakref
 
 import zmq
 
-from kvps.errors import KVPSError, KVTimeoutError, ProtocolError, remote_error
+from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, remote_error
 from kvps.wire import protocol
 from kvps.wire.protocol import Op
 from kvps.wire.requests import Handle
@@ -105,8 +108,12 @@ class Lane:
         self._node = lanes._node
         self._socks = {}                # peer -> DEALER
         self._peer_of = {}              # DEALER -> peer
+        self._at = {}                   # peer -> the address its DEALER connects to
         self._poller = zmq.Poller()
-        self._pending = {}              # request id -> (handle, peer, on_reply)
+        self._pending = {}              # request id -> (handle, peer, on_reply, frames, home)
+        # KVPS_REPLICAS: requests keep their bytes (frames) to go to a new head; the node's SERVERS seen
+        self._keep = bool(self._node.cfg.replicas)
+        self._servers_seen = self._node.servers_changed
         self._lock = threading.Lock()   # held while a socket is used: by its thread, or a waiter elsewhere
         self.closed = False
         self.sent = 0
@@ -133,14 +140,20 @@ class Lane:
                 failure = self._lanes.failure()
                 if failure is not None:
                     raise failure
+                self._follow()
                 for peer, header, payloads, on_reply in items:
                     header.id = node.requests.next_id()
                     header.src = node.name
-                    frames = [header.encode(), *payloads]
+                    if self._keep:          # its own copy of the values, to send again to a new head
+                        frames = [header.encode(), *(bytes(p) for p in payloads)]
+                        peer = node.server_peer(header.meta["home"])   # a death seen since the call routed it
+                    else:
+                        frames = [header.encode(), *payloads]
                     sock = self._socks.get(peer) or self._connect(peer)
-                    self._pending[header.id] = (handle, peer, on_reply)
+                    self._pending[header.id] = (handle, peer, on_reply, frames if self._keep else None,
+                                                header.meta.get("home"))
                     handle._expect(header.id, peer)
-                    send_message(sock, frames, copy=True)
+                    send_message(sock, frames, copy=not self._keep)
                     self.sent += 1
                     if telemetry is not None:       # counted once sent: counting never delays a message
                         telemetry.sent(peer, header.op, frames)
@@ -151,11 +164,43 @@ class Lane:
         return handle
 
     def _connect(self, peer):
-        sock = self._node.van.dealer(peer, *self._lanes._address(peer))
+        address = self._lanes._address(peer)
+        sock = self._node.van.dealer(peer, *address)
         self._socks[peer] = sock
         self._peer_of[sock] = peer
+        self._at[peer] = address
         self._poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _follow(self):
+        """After a server died (KVPS_REPLICAS; with the lock held): the requests that waited on it go,
+        same ids and bytes, to the new head of their range, and a DEALER to a dead server, or to a
+        rank a new server took at another address, is closed. A range with no live server left
+        fails its requests with the NodeFailure."""
+        node = self._node
+        if not self._keep or node.servers_changed == self._servers_seen:
+            return
+        self._servers_seen = node.servers_changed
+        for peer in list(self._socks):
+            if int(peer[1:]) in node.dead_servers or self._lanes._address(peer) != self._at[peer]:
+                sock = self._socks.pop(peer)
+                del self._peer_of[sock], self._at[peer]
+                self._poller.unregister(sock)
+                sock.close(0)
+        for request_id in sorted(self._pending):
+            handle, peer, on_reply, frames, home = self._pending[request_id]
+            try:
+                head = node.server_peer(home)
+            except NodeFailure as exc:
+                del self._pending[request_id]
+                handle._answered(request_id, exc)
+                continue
+            if head == peer and peer in self._socks:
+                continue
+            self._pending[request_id] = (handle, head, on_reply, frames, home)
+            with handle._lock:
+                handle._waiting[request_id] = head
+            send_message(self._socks.get(head) or self._connect(head), frames)
 
     def pump(self, handle, timeout):
         """Read this lane's replies until `handle` is done (True) or `timeout` seconds pass (False).
@@ -172,6 +217,7 @@ class Lane:
                 if failure is not None or self.closed:
                     self._fail(failure or self._stopped())
                     break
+                self._follow()
                 for sock, _ in self._poller.poll(int(1000 * min(left, SLICE)) + 1):
                     self._drain(sock, ready=True)
         return True
@@ -182,7 +228,8 @@ class Lane:
             return
         try:
             if not self.closed:
-                for sock in self._socks.values():
+                self._follow()
+                for sock in list(self._socks.values()):
                     self._drain(sock)
         finally:
             self._lock.release()
@@ -208,7 +255,7 @@ class Lane:
             entry = self._pending.pop(header.id, None)
             if entry is None:
                 continue            # the reply to a request whose wait timed out
-            handle, _, on_reply = entry
+            handle, _, on_reply, _, _ = entry
             handle.meta = header.meta
             error = None
             if header.op == Op.ERROR:
@@ -222,7 +269,7 @@ class Lane:
 
     def _fail(self, exc, peer=None):
         """Fail the waiting requests (to `peer`, or all) with `exc` (with the lock held)."""
-        for request_id, (handle, to, _) in list(self._pending.items()):
+        for request_id, (handle, to, _, _, _) in list(self._pending.items()):
             if peer is None or to == peer:
                 del self._pending[request_id]
                 handle._answered(request_id, exc)

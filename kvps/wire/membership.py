@@ -127,6 +127,7 @@ class Node:
         self.left = set()               # workers that closed cleanly
         self.dead_servers = set()       # chain replication (KVPS_REPLICAS): servers that died, by rank
         self.joined_servers = []        # and the ranks new servers took, in order (kvps/wire/chains.py)
+        self.servers_changed = 0        # SERVERS messages taken so far (lanes follow the chains by it)
         self._ended = None              # what ended this node's waits: its failure, or its stop
         self._end_listeners = []
         self._end_lock = threading.Lock()
@@ -280,6 +281,7 @@ class Node:
             if "servers" in meta:
                 self.membership = dict(self.membership, servers=meta["servers"])
             joined = parse_name(meta["node"])[1] not in self.dead_servers
+            self.servers_changed += 1
             log.warning("%s: %s %s (%s); %s", self.name, escape(meta["node"]), "joined" if joined else "died",
                         escape(meta["reason"]), "it joins the tail of its chains" if joined else
                         "its key ranges go on at their replicas")
