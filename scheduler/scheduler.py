@@ -458,7 +458,11 @@ class Scheduler:
         if member.state == "alive":
             member.state = "left"
             reason = header.meta.get("reason")         # a script that raised (kvps.kvstore.base.exit_reason)
-            if reason:
+            if reason and self._ending is not None:
+                # the job has already failed, and this worker's script raised because of it (the
+                # NodeFailure it was sent): the culprit is already named
+                log.info("H: %s left the failed job: %s", member.name, escape(reason))
+            elif reason:
                 log.warning("H: %s left the job: %s", member.name, escape(reason))
             else:
                 log.info("H: %s finished", member.name)

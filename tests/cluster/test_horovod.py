@@ -63,8 +63,9 @@ opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), mo
                                 op=hvd.Sum)
 x = torch.full((2, 4), float(hvd.rank() + 1))
 model2(x).sum().backward()
-out["own_grad"] = model2.weight.grad.reshape(-1).tolist()
-own = model2.weight.grad.clone()
+# this rank's own gradient, d(sum of x @ w)/dw = x summed over the batch: not read from .grad, which
+# the allreduce started by backward() may already be overwriting in place (as Horovod's does)
+out["own_grad"] = x.sum(0).tolist()
 opt2.synchronize()
 out["sum_grad"] = model2.weight.grad.reshape(-1).tolist()
 # a sparse gradient (nn.Embedding(sparse=True)) goes dense, as with Horovod's sparse_as_dense=True
