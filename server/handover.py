@@ -11,8 +11,9 @@ and from then on forwards its copies to it (server/replication.py), so the joine
 applies nothing twice. What travels, per slot: the value, the update rule's state (master weights,
 step count, its arrays) and the round and clock counters; the pushes waiting in the open round, in
 the order they came, which the joiner pushes again (a deferred copy's place whose values have not
-come, server/replication.py, goes as a place that the round's sum from this server fills); and the window of request ids answered for the
-range (kvps/wire/window.py), so a request asked again after a later failure is not applied twice.
+come, server/replication.py, goes as a place that the round's sum from this server fills); and the
+window of request ids answered for the range (kvps/wire/window.py), so a request asked again after a
+later failure is not applied twice.
 The update rule itself goes by name and parameters, as SET_OPTIMIZER sends it: no code travels.
 """
 import logging

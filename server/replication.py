@@ -32,11 +32,11 @@ values (a middle server's death would need its head to keep each round's sum unt
 
     chain.round(slot, total)                # Store.on_round, as a round closes: the sum to the next server
 
-When a server dies the scheduler says so (SERVERS): every chain closes up, copies waiting on the dead one go to the next member (which
-answers one it has already applied without applying it again), and the workers send what they had
-in flight to the new head the same way (kvps/wire/requests.py). When a new server takes a dead one's
-rank it joins the tail of that rank's chains, and the old tail hands it the state first
-(server/handover.py).
+When a server dies the scheduler says so (SERVERS): every chain closes up, copies waiting on the dead
+one go to the next member (which answers one it has already applied without applying it again), and
+the workers send what they had in flight to the new head the same way (kvps/wire/requests.py). When
+a new server takes a dead one's rank it joins the tail of that rank's chains, and the old tail hands
+it the state first (server/handover.py).
 """
 import dataclasses
 import logging

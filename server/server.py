@@ -700,7 +700,8 @@ class Server(Node):
         it applies), then answer, so the sender may write that memory again; or answer that it
         could not be read, and the sender sends it inline."""
         if len(header.keys) != 1:
-            raise ProtocolError(f"ROUND from {quote(header.src)} names {len(header.keys)} entries in shared memory; one")
+            raise ProtocolError(f"ROUND from {quote(header.src)} names {len(header.keys)} entries in shared memory "
+                                f"(it names one)")
         rank = parse_name(header.src)[1]
         if rank >= len(self.membership["servers"]):
             raise ProtocolError(f"ROUND from {quote(header.src)}, which is not one of this job's servers")

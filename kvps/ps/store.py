@@ -83,8 +83,8 @@ def _show(dtype, shape):
 class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
-                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy", "awaiting",
-                 "merge_sent")
+                 "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy",
+                 "awaiting", "merge_sent")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -106,7 +106,8 @@ class Slot:
         self.opened = 0.0                # time.time() of the open round's first push (with an observer)
         self.busy = False                # a closed round is being merged on a pool thread (kvps/ps/pool.py),
                                          # or waits for its sum (awaiting)
-        self.awaiting = None             # (pending, pushers, acks, members, merge_start) of a round with Deferred pushes
+        # (pending, pushers, acks, members, merge_start) of a closed round with Deferred pushes
+        self.awaiting = None
         self.merge_sent = []             # trackers of sends that still read `merge` (a round's sum sent on)
 
     def name(self):
