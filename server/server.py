@@ -62,6 +62,7 @@ MAX_EARLY = 10_000      # requests held until the job forms; more means a peer m
 # what waits while a checkpoint is written from the live state (kv.save): whatever would change it
 HELD_OPS = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.SET_OPTIMIZER, Op.JOIN, Op.LOAD,
                       Op.ROUND})
+FROM_SERVERS = frozenset({Op.STATE, Op.ROUND})     # chain replication: sent by a server, not a worker
 
 
 class Reply:
@@ -439,7 +440,7 @@ class Server(Node):
                                        f"already holds {MAX_EARLY} requests back")
                 self._held.append((routing_id, header, payloads))
                 return
-            if header.op == Op.STATE or header.op == Op.ROUND:     # from a server
+            if header.op in FROM_SERVERS:
                 return handler(self, routing_id, header, payloads)
             worker = self._worker(header.src)
             if worker in self.store.removed:

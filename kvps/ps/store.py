@@ -151,8 +151,8 @@ class Deferred:
     __slots__ = ("array",)
     nbytes = 0
 
-    def __init__(self, array=None):
-        self.array = array
+    def __init__(self):
+        self.array = None
 
 
 def _resolved(pending):
@@ -370,7 +370,8 @@ class Store:
             self._round_merged(slot, acks, members, merge_start, exc)
             return
         self._round_merged(slot, acks, members, merge_start, None, summed=summed)
-        self._enter_early(slot)
+        if slot.early:
+            self._enter_early(slot)
 
     def _enter_early(self, slot):
         early, slot.early = slot.early, []
@@ -505,12 +506,8 @@ class Store:
     @staticmethod
     def _scratch(slot):
         """The slot's sum buffer for the next round, or None (a new one) while a send still reads it."""
-        if slot.merge_sent:
-            if not all(t.done for t in slot.merge_sent):
-                slot.merge_sent = []
-                return None
-            slot.merge_sent = []
-        return slot.merge
+        sent, slot.merge_sent = slot.merge_sent, []
+        return slot.merge if all(t.done for t in sent) else None
 
     def _fresh(self, slot):
         """New memory for a slot's value or round sum: shared (see `alloc`) where it can be."""

@@ -140,7 +140,8 @@ class Lane:
                 failure = self._lanes.failure()
                 if failure is not None:
                     raise failure
-                self._follow()
+                if self._keep:
+                    self._follow()
                 for peer, header, payloads, on_reply in items:
                     header.id = node.requests.next_id()
                     header.src = node.name
@@ -173,12 +174,12 @@ class Lane:
         return sock
 
     def _follow(self):
-        """After a server died (KVPS_REPLICAS; with the lock held): the requests that waited on it go,
+        """After a server died (KVPS_REPLICAS, `_keep`; with the lock held): the requests that waited on it go,
         same ids and bytes, to the new head of their range, and a DEALER to a dead server, or to a
         rank a new server took at another address, is closed. A range with no live server left
         fails its requests with the NodeFailure."""
         node = self._node
-        if not self._keep or node.servers_changed == self._servers_seen:
+        if node.servers_changed == self._servers_seen:
             return
         self._servers_seen = node.servers_changed
         for peer in list(self._socks):
@@ -217,7 +218,8 @@ class Lane:
                 if failure is not None or self.closed:
                     self._fail(failure or self._stopped())
                     break
-                self._follow()
+                if self._keep:
+                    self._follow()
                 for sock, _ in self._poller.poll(int(1000 * min(left, SLICE)) + 1):
                     self._drain(sock, ready=True)
         return True
@@ -228,8 +230,9 @@ class Lane:
             return
         try:
             if not self.closed:
-                self._follow()
-                for sock in list(self._socks.values()):
+                if self._keep:
+                    self._follow()
+                for sock in self._socks.values():
                     self._drain(sock)
         finally:
             self._lock.release()
