@@ -53,8 +53,9 @@ VARIABLES = (
                                          "to the I/O thread (kvps/wire/lane.py); 0: every call goes through the "
                                          "I/O thread"),
     Var("KVPS_SHM", 1, int, "1: a worker and a server on one host move big payloads through shared memory, "
-                            "and ZeroMQ carries only headers (kvps/wire/shm.py), and so do ring neighbours on "
-                            "one host (kvps/collective/shared.py); 0: everything over TCP"),
+                            "and ZeroMQ carries only headers (kvps/wire/shm.py), small calls go on the server's "
+                            "Unix socket (kvps/wire/local.py), and ring neighbours on one host share memory "
+                            "too (kvps/collective/shared.py); 0: everything over TCP"),
     Var("KVPS_MAX_MESSAGE_BYTES", 2 << 30, int, "the biggest frame a node accepts (ZMQ_MAXMSGSIZE on every socket): "
                                                 "zmq drops a peer that sends a bigger one, so garbage of any size "
                                                 "costs no memory"),

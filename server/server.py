@@ -183,6 +183,8 @@ class Server(Node):
         self.registry = registry or Registry()
         self.host = advertised_host(cfg)
         self.van.bind(self.host, cfg.port)
+        if cfg.shm:         # co-located workers' lanes come through a local socket (kvps/wire/local.py)
+            self.van.listen_local()
         self.store = None
         self.refusal = None                     # why this job cannot be served (its mode), if it cannot
         self.early = []                         # requests that came before the membership table
@@ -800,6 +802,7 @@ class Server(Node):
         meta = dict(self.store.stats, kernels=kernels.counters(), backend=kernels.backend(),
                     keys=len(self.store.slots), mode=self.store.consistency.wire(),
                     duplicates=self.window.duplicates, shared=self.shared_entries, placed=self.placed_entries,
+                    local_clients=self.van.local_clients(),
                     forwarded=self.chain.forwarded if self.chain is not None else 0,
                     round_sums=self.chain.rounds if self.chain is not None else 0,
                     round_sums_shared=self.chain.rounds_shared if self.chain is not None else 0)

@@ -132,7 +132,8 @@ class DistKVStore(KVStore):
         self._lanes = None
         if self.cfg.lane_bytes and not self._node.requests.resend_after and self._node.faults is None:
             # (the node outlives this kvstore: what it holds, such as the lanes, must not hold the kvstore)
-            self._lanes = Lanes(self._node, functools.partial(_server_address, self._node))
+            self._lanes = Lanes(self._node, functools.partial(_server_address, self._node),
+                                functools.partial(_server_local, self._node))
         # pull-ahead keeps dist_sync's semantics exactly: the round's value is what a pull would read
         self._ahead = PullAhead() if consistency.wire() == "sync" else None
         self._checkpoints = Checkpointer(self._node, self.cfg, self._keys, self._num_servers, consistency.wire())
@@ -773,6 +774,17 @@ class DistKVStore(KVStore):
 def _server_address(node, peer):
     host, port, _ = node.membership["servers"][int(peer[1:])]
     return host, port
+
+
+def _server_local(node, peer):
+    """(port, pid) of server `peer` where a lane may reach it through its local socket (kvps/wire/local.py):
+    on this worker's host, with KVPS_SHM on, no replicas (whose chains the head's ROUTER clients follow,
+    as everything in such jobs goes over TCP) and no CURVE; else None."""
+    cfg = node.cfg
+    if not cfg.shm or cfg.replicas or node.keys is not None:
+        return None
+    host, port, pid = node.membership["servers"][int(peer[1:])]
+    return (port, pid) if host == node.membership["workers"][node.rank][0] else None
 
 
 def _finishers(items):

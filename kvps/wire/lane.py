@@ -3,7 +3,8 @@
 A small call (at most KVPS_LANE_BYTES of payload in all, 256 KB by default, whether its values
 travel in the message or through shared memory with a co-located server) need not go through the
 node's I/O thread. Its thread sends the requests itself, on a DEALER of its own to
-each server, and reads the replies itself when it waits. That saves the two hand-offs of the I/O
+each server (to a server on its host, on a Unix socket: kvps/wire/local.py), and reads the replies
+itself when it waits. That saves the two hand-offs of the I/O
 path (wake the I/O thread to send; wake the caller when the reply is in), which are most of what
 a 1 KB round costs in Python, and leaves the I/O thread alone with heartbeats and big transfers.
 
@@ -33,8 +34,8 @@ import weakref
 
 import zmq
 
-from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, remote_error
-from kvps.wire import protocol
+from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, describe, remote_error
+from kvps.wire import local, protocol
 from kvps.wire.protocol import Op
 from kvps.wire.requests import Handle
 from kvps.wire.transport import recv_message, send_message
@@ -71,10 +72,11 @@ class Lanes:
     `address(peer)` gives a server's (host, port); the node's Van makes the sockets (its context,
     its CURVE keys and limits) and closes every lane before it ends."""
 
-    def __init__(self, node, address):
+    def __init__(self, node, address, local_address=None):
         self._node = node
         self._address = address
-        self._local = threading.local()
+        self._local = local_address     # peer -> (port, pid) of a server on this host (local.connect), or None
+        self._mine = threading.local()
         self._all = weakref.WeakSet()   # every live lane (a lane dies with its thread and its handles)
         self.ended = None               # the NodeFailure or stop that ends every wait
         node.add_failure_listener(self._end)
@@ -84,11 +86,11 @@ class Lanes:
 
     def mine(self):
         """This thread's lane (made on first use). Raises KVPSError once the node has stopped."""
-        lane = getattr(self._local, "lane", None)
+        lane = getattr(self._mine, "lane", None)
         if lane is None or lane.closed:
             lane = Lane(self)
             self._node.van.adopt(lane)
-            self._local.lane = lane
+            self._mine.lane = lane
             self._all.add(lane)
         return lane
 
@@ -109,6 +111,8 @@ class Lane:
         self._socks = {}                # peer -> DEALER
         self._peer_of = {}              # DEALER -> peer
         self._at = {}                   # peer -> the address its DEALER connects to
+        self._by_fd = {}                # descriptor -> local.Conn (kvps/wire/local.py)
+        self._gone = []                 # [(deadline, peer, request ids)] of local connections closed (_drop)
         self._poller = zmq.Poller()
         self._pending = {}              # request id -> (handle, peer, on_reply, frames, home)
         # KVPS_REPLICAS: requests keep their bytes (frames) to go to a new head; the node's SERVERS seen
@@ -154,7 +158,7 @@ class Lane:
                     self._pending[header.id] = (handle, peer, on_reply, frames if self._keep else None,
                                                 header.meta.get("home"))
                     handle._expect(header.id, peer)
-                    send_message(sock, frames, copy=not self._keep)
+                    self._send(sock, frames, what, timeout, copy=not self._keep)
                     self.sent += 1
                     if telemetry is not None:       # counted once sent: counting never delays a message
                         telemetry.sent(peer, header.op, frames)
@@ -164,9 +168,33 @@ class Lane:
             handle._arm()
         return handle
 
+    def _send(self, sock, frames, what, timeout, copy=False):
+        """Send one message on a DEALER or a local connection (which copies what it sends, and waits
+        up to `timeout` s for room, failing as every wait does when the job breaks)."""
+        if type(sock) is local.Conn:
+            try:
+                sock.send(frames, timeout, self._check)
+            except KVTimeoutError as exc:
+                raise KVTimeoutError(f"{what}: {self._peer_of[sock]} took nothing: {exc}") from None
+            except EOFError as exc:         # the server is gone: the request waits, as on a DEALER
+                self._drop(self._peer_of[sock], exc)
+        else:
+            send_message(sock, frames, copy=copy)
+
+    def _check(self):
+        """Raise the NodeFailure or stop that ends every wait (a send waiting for room calls it)."""
+        failure = self._lanes.failure()
+        if failure is not None:
+            raise failure
+
     def _connect(self, peer):
         address = self._lanes._address(peer)
-        sock = self._node.van.dealer(peer, *address)
+        where = self._lanes._local and self._lanes._local(peer)
+        sock = where and local.connect(*where, self._node.cfg.max_message_bytes)
+        if sock:
+            self._by_fd[sock.fileno()] = sock
+        else:                   # not on this host, or it does not listen: through its ROUTER
+            sock = self._node.van.dealer(peer, *address)
         self._socks[peer] = sock
         self._peer_of[sock] = peer
         self._at[peer] = address
@@ -184,10 +212,7 @@ class Lane:
         self._servers_seen = node.servers_changed
         for peer in list(self._socks):
             if int(peer[1:]) in node.dead_servers or self._lanes._address(peer) != self._at[peer]:
-                sock = self._socks.pop(peer)
-                del self._peer_of[sock], self._at[peer]
-                self._poller.unregister(sock)
-                sock.close(0)
+                self._forget(peer)
         for request_id in sorted(self._pending):
             handle, peer, on_reply, frames, home = self._pending[request_id]
             try:
@@ -201,7 +226,8 @@ class Lane:
             self._pending[request_id] = (handle, head, on_reply, frames, home)
             with handle._lock:
                 handle._waiting[request_id] = head
-            send_message(self._socks.get(head) or self._connect(head), frames)
+            self._send(self._socks.get(head) or self._connect(head), frames, f"request {request_id}",
+                       self._node.cfg.timeout)
 
     def pump(self, handle, timeout):
         """Read this lane's replies until `handle` is done (True) or `timeout` seconds pass (False).
@@ -220,7 +246,13 @@ class Lane:
                     break
                 if self._keep:
                     self._follow()
+                if self._gone:
+                    self._give_up()
                 for sock, _ in self._poller.poll(int(1000 * min(left, SLICE)) + 1):
+                    if type(sock) is int:           # a local connection, which the poller gives by descriptor
+                        sock = self._by_fd.get(sock)
+                        if sock is None:
+                            continue
                     self._drain(sock, ready=True)
         return True
 
@@ -232,7 +264,7 @@ class Lane:
             if not self.closed:
                 if self._keep:
                     self._follow()
-                for sock in self._socks.values():
+                for sock in list(self._socks.values()):
                     self._drain(sock)
         finally:
             self._lock.release()
@@ -243,8 +275,13 @@ class Lane:
         every request to that peer."""
         peer = self._peer_of[sock]
         telemetry = self._node.telemetry
+        is_local = type(sock) is local.Conn
         for _ in range(BATCH):
-            frames = recv_message(sock, ready)
+            try:
+                frames = sock.receive() if is_local else recv_message(sock, ready)
+            except (EOFError, OSError, ProtocolError) as exc:
+                self._drop(peer, exc)
+                return
             ready = False
             if frames is None:
                 return
@@ -269,6 +306,40 @@ class Lane:
                 except Exception as exc:    # a bad reply fails this call, not the lane
                     error = exc
             handle._answered(header.id, error)
+
+    def _drop(self, peer, exc):
+        """A local connection the server closed or that carried garbage (its requests fail now); the
+        next request connects again. A server that closed it is most likely dying: its requests
+        wait for the job to say so (a NodeFailure), for the heartbeat timeout and a second at most."""
+        self._forget(peer)
+        if not isinstance(exc, EOFError):
+            self._fail(ProtocolError(f"{peer}: {describe(exc)}"), peer)
+            return
+        waiting = {request_id for request_id, entry in self._pending.items() if entry[1] == peer}
+        if waiting:
+            self._gone.append((time.monotonic() + self._node.cfg.heartbeat_timeout + 1, peer, waiting))
+
+    def _give_up(self):
+        """Fail the requests to a server that closed its local connection and was not reported dead in
+        time (it closed it for a reason of its own)."""
+        now = time.monotonic()
+        while self._gone and self._gone[0][0] <= now:
+            _, peer, waiting = self._gone.pop(0)
+            exc = KVPSError(f"{peer} closed its local connection to {self._node.name}, and the job did not "
+                            f"report it dead within the heartbeat timeout (KVPS_HEARTBEAT_TIMEOUT)")
+            for request_id in waiting:
+                entry = self._pending.pop(request_id, None)
+                if entry is not None:
+                    entry[0]._answered(request_id, exc)
+
+    def _forget(self, peer):
+        """Close the connection to `peer` (with the lock held)."""
+        sock = self._socks.pop(peer)
+        del self._peer_of[sock], self._at[peer]
+        if type(sock) is local.Conn:
+            del self._by_fd[sock.fileno()]
+        self._poller.unregister(sock)
+        sock.close(0)
 
     def _fail(self, exc, peer=None):
         """Fail the waiting requests (to `peer`, or all) with `exc` (with the lock held)."""

@@ -409,6 +409,8 @@ SCHEMA = {
         "round_sums": Field(INT, "round sums sent to the next server of a chain (ROUND; one replica, sync)",
                             required=False),
         "round_sums_shared": Field(INT, "of which the next server read in this server's memory", required=False),
+        "local_clients": Field(INT, "lanes of workers on this host that connected through its local socket",
+                               required=False),
     }),
     Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
     Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "

@@ -31,7 +31,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvps.wire import protocol
-from kvps.wire import auth, connections
+from kvps.wire import auth, connections, local
 from kvps.wire.auth import Curve
 from kvps.wire.schedule import Schedule
 from kvps.wire.throttle import LogThrottle, escape
@@ -43,7 +43,10 @@ log = logging.getLogger("kvps.transport")
 # finished reading an array it is about to change in place.
 TRACK_BYTES = 1 << 16
 # pyzmq's constants are enums; plain ints keep the hot path free of enum arithmetic.
-POLLIN, EVENTS, SNDMORE, NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.SNDMORE), int(zmq.NOBLOCK)
+POLLIN, POLLOUT, EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.EVENTS)
+SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+# A daemon's local clients (kvps/wire/local.py): at most this many at a time.
+MAX_LOCAL = 1024
 # Frames smaller than this are copied on send: cheaper than zero-copy bookkeeping.
 COPY_BYTES = 1 << 16
 
@@ -102,6 +105,11 @@ class Van:
         # replies dropped at each bound, logged apart from other complaints so neither hides the other
         self._dropped = {"queue": LogThrottle(lines=5), "bytes": LogThrottle(lines=5)}
         self._adopted = weakref.WeakSet()   # what other threads own and must be closed before the context
+        self._listener = None               # a server's local socket (kvps/wire/local.py), and its clients:
+        self._locals = {}                   # routing id (an int) -> local.Conn
+        self._fds = {}                      # and by descriptor (what the poller gives)
+        self._limit = 2 << 30               # the biggest message a local client may send (limit_messages)
+        self._listening = True              # the listener is polled (not while descriptors ran out)
 
     # ---- setup (call before start, or from the I/O thread) ----
     def secure(self, keys):
@@ -138,6 +146,25 @@ class Van:
         self._poller.register(sock, zmq.POLLIN)
         return self.port
 
+    def listen_local(self):
+        """Also take clients on this host through a local socket named after the bound port and this
+        pid (kvps/wire/local.py), unless the job runs CURVE; call after bind(). Returns whether it
+        listens (a name in use or no Unix sockets: it does not, and clients use the ROUTER)."""
+        if self._curve is not None or self.port is None:
+            return False
+        try:
+            self._listener = local.Listener(self.port, self._limit)
+        except OSError as exc:
+            log.info("%s: no local socket (%s); clients on this host use TCP", self.name, exc)
+            return False
+        self._poller.register(self._listener, zmq.POLLIN)
+        self.every(1.0, self._listen_again)
+        return True
+
+    def local_clients(self):
+        """The local clients this Van has taken so far (listen_local)."""
+        return self._listener.accepted if self._listener is not None else 0
+
     def every(self, interval, fn):
         """Run fn() on the I/O thread every `interval` seconds."""
         self._timers.append([time.monotonic() + interval, interval, fn])
@@ -149,6 +176,7 @@ class Van:
         `peer_reply_bytes` of big replies that a client has not read (KVPS_PEER_REPLY_BYTES); 0: no
         bound. Call it before bind()."""
         self._ctx.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
+        self._limit = int(nbytes)
         self._peer_queue, self._unread.limit = int(peer_queue), int(peer_reply_bytes)
 
     def inject(self, faults):
@@ -323,8 +351,10 @@ class Van:
                     timeout = self._send_late(timeout)
                 if self._queue:     # a timer queued work (a heartbeat, a resend): send it now
                     timeout = 0
-                for sock, _ in self._poller.poll(timeout):
-                    if sock == self._wake_r:
+                for sock, events in self._poller.poll(timeout):
+                    if type(sock) is int and sock != self._wake_r:     # the local socket or a client of it
+                        self._local_event(sock, events)
+                    elif sock == self._wake_r:
                         # Read before clearing the flag: a byte written in between must not be
                         # swallowed while the flag says a wake-up is pending (that would stall sends).
                         try:
@@ -439,6 +469,8 @@ class Van:
         self._reply_sock(routing_id, frames, on_tracker)
 
     def _reply_sock(self, routing_id, frames, on_tracker):
+        if type(routing_id) is int:
+            return self._reply_local(routing_id, frames)
         if self._router is None:
             return
         big = on_tracker is not None and any(
@@ -527,19 +559,25 @@ class Van:
         at all (a RecursionError, a TypeError, ...), goes to _bad and the loop goes on. Called
         when poll() said the socket is readable."""
         from_router = sock is self._router
+        is_local = type(sock) is local.Conn     # a client on this host (listen_local)
         ready = True                    # poll() said it is readable
         for _ in range(256):   # bounded so one busy peer cannot starve the rest
             try:
-                frames = recv_message(sock, ready)
+                frames = sock.receive() if is_local else recv_message(sock, ready)
                 ready = False
                 if frames is None:
                     return
             except zmq.ZMQError as exc:
                 self.complaints(log, logging.WARNING, "%s: receiving failed (%s)", self.name, exc)
                 return
+            except (EOFError, OSError, ProtocolError) as exc:
+                self._drop_local(sock, exc)
+                return
             source = header = None
             try:
-                if from_router:
+                if is_local:
+                    source = ("client", sock.ident)
+                elif from_router:
                     source = ("client", frames[0].bytes)
                     frames = frames[1:]
                 else:
@@ -588,6 +626,83 @@ class Van:
         except Exception:           # never let the report of a bad message end the I/O thread
             self.complaints(log, logging.ERROR, "%s: reporting a bad message failed", self.name, exc_info=True)
 
+    # ---- local clients (kvps/wire/local.py), on the I/O thread ----
+    def _local_event(self, fd, events):
+        conn = self._fds.get(fd)
+        if conn is None:
+            if self._listener is not None and fd == self._listener.fileno():
+                self._accept()
+            return
+        if events & POLLOUT:
+            self._flush_local(conn)
+        if events & POLLIN and not conn.closed:
+            self._drain(conn)
+
+    def _accept(self):
+        """Take the local clients waiting to connect (bounded: a flood cannot starve the Van)."""
+        for _ in range(auth.BATCH):
+            try:
+                conn = self._listener.accept()
+            except PermissionError as exc:
+                self.complaints(log, logging.WARNING, "%s: a local connection refused: %s", self.name, exc)
+                continue
+            except OSError as exc:          # no descriptor left: stop listening a while (_listen_again)
+                self.complaints(log, logging.WARNING, "%s: accepting a local client failed (%s); "
+                                "not listening for a second", self.name, exc)
+                self._poller.unregister(self._listener)
+                self._listening = False
+                return
+            if conn is None:
+                return
+            if len(self._locals) >= MAX_LOCAL:
+                self.complaints(log, logging.WARNING, "%s: a local client refused: %d are connected "
+                                "(MAX_LOCAL)", self.name, len(self._locals))
+                conn.close()
+                continue
+            self._locals[conn.ident] = conn
+            self._fds[conn.fileno()] = conn
+            self._poller.register(conn, zmq.POLLIN)
+
+    def _listen_again(self):
+        if not self._listening and self._listener is not None:
+            self._listening = True
+            self._poller.register(self._listener, zmq.POLLIN)
+
+    def _reply_local(self, ident, frames):
+        conn = self._locals.get(ident)
+        if conn is None:
+            self.complaints(log, logging.DEBUG, "%s: a reply to a local client that went away dropped", self.name)
+            return
+        if self._peer_queue and conn.waiting() >= self._peer_queue:
+            self._dropped["queue"](log, logging.WARNING, "%s: a reply dropped: the local client reads none and "
+                                   "has %d messages queued (KVPS_PEER_QUEUE)", self.name, self._peer_queue)
+            return
+        try:
+            if conn.post(frames) and not conn.watched:
+                conn.watched = True
+                self._poller.modify(conn, POLLIN | POLLOUT)
+        except OSError as exc:
+            self._drop_local(conn, exc)
+
+    def _flush_local(self, conn):
+        try:
+            if not conn.flush() and conn.watched:
+                conn.watched = False
+                self._poller.modify(conn, POLLIN)
+        except OSError as exc:
+            self._drop_local(conn, exc)
+
+    def _drop_local(self, conn, exc):
+        """A local client that left (EOFError) or sent what kvps never sends: close it."""
+        if conn.closed:
+            return
+        level = logging.DEBUG if isinstance(exc, EOFError) else logging.WARNING
+        self.complaints(log, level, "%s: local client %d closed: %s", self.name, conn.ident,
+                        escape(describe(exc) or type(exc).__name__))
+        self._poller.unregister(conn)
+        del self._locals[conn.ident], self._fds[conn.fileno()]
+        conn.close()
+
     def _monitored(self):
         """Read the ROUTER's socket monitor (bounded: a flood of connections cannot starve the Van)."""
         for _ in range(auth.BATCH):
@@ -623,6 +738,12 @@ class Van:
                 owner.close()
             except Exception:
                 log.exception("%s: closing %r failed", self.name, owner)
+        for conn in self._locals.values():
+            conn.close()
+        self._locals.clear()
+        self._fds.clear()
+        if self._listener is not None:
+            self._listener.close()
         if self._monitor is not None:
             self._router.disable_monitor()
             self._monitor.close(0)
@@ -730,7 +851,9 @@ def _show(source):
     if source is None:
         return "an unknown sender"
     kind, who = source
-    return escape(who) if kind == "peer" else f"client {who.hex()}"
+    if kind == "peer":
+        return escape(who)
+    return f"local client {who}" if type(who) is int else f"client {who.hex()}"
 
 
 def _op(frame):

@@ -2,9 +2,14 @@
 the calling thread's own connections, big ones through the I/O thread, and a key's calls keep their order whichever way each goes. Results are the
 same with lanes off (KVPS_LANE_BYTES=0); a wait on a lane ends with the job's failure, or a timeout
 naming the server, like any other wait; each thread has its own lane."""
+import socket
 import time
 
+import msgpack
 import pytest
+
+from kvps.wire import local
+from kvps.wire.protocol import Op
 
 # Keys: "s" small (always a lane call on its own), "b" big (split over both servers, never a lane
 # call), "m" small but also named together with "b" (then the call is big and goes through the I/O
@@ -169,3 +174,66 @@ def test_a_lane_wait_times_out_naming_the_server(cluster):
     assert line["error"] == "KVTimeoutError" and "S0" in line["message"] and "1.5 s" in line["message"], line
     assert 1.4 < line["t"] < 5, line
     procs[1].kill()
+
+
+LOCAL = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("k", np.zeros(256, np.float32))
+out = np.zeros(256, np.float32)
+for step in range(1, 21):
+    kv.push("k", np.full(256, step, np.float32))
+    kv.pull("k", out=out)
+    assert out.min() == out.max() == step * kv.num_workers, (step, out[:4])
+socks = {peer: type(sock).__name__ for peer, sock in kv._lanes.mine()._socks.items()}
+stats = kv.server_stats()
+print(json.dumps({"socks": socks, "local_clients": {s: v["local_clients"] for s, v in stats.items()}}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_lane_to_a_server_on_its_host_uses_its_local_socket(cluster, shm):
+    """With KVPS_SHM on, a lane reaches a co-located server through the server's Unix socket
+    (kvps/wire/local.py), not ZeroMQ; with KVPS_SHM=0 everything goes over TCP."""
+    c = cluster(2, 1, env={"KVPS_SHM": shm})
+    for (line,) in c.run_workers(LOCAL):
+        if shm == "1":
+            assert line["socks"] == {"S0": "Conn"} and line["local_clients"]["S0"] >= 2, line
+        else:
+            assert line["socks"] == {"S0": "Socket"} and line["local_clients"]["S0"] == 0, line
+    assert c.wait_daemons() == [0, 0]
+
+
+def _local_client(c, server="S0"):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(local.address(c.server_ports[int(server[1:])], c.proc(server).pid))
+    return sock
+
+
+def test_a_local_client_that_sends_garbage_is_closed_and_the_job_goes_on(cluster):
+    c = cluster(2, 1, env={"KVPS_MAX_MESSAGE_BYTES": str(4 << 20)})
+    # a datagram that is no message: the server closes that connection, and only that one
+    bad = _local_client(c)
+    bad.send(b"\x00\xff\xff\xff\xff garbage")
+    assert bad.recv(100) == b""
+    # a message whose header does not decode: answered with an ERROR, and the connection stays open
+    odd = _local_client(c)
+    for datagram in local.encode([b"\x92\x01\x02"]):
+        odd.sendmsg(datagram)
+    frames = local.decode(odd.recv(1 << 16)[1:])
+    reply = msgpack.unpackb(bytes(frames[0]), raw=False)
+    assert reply["op"] == Op.ERROR and "refused the message" in reply["meta"]["message"], reply
+    # a message in datagrams that goes on past the biggest one a node takes (KVPS_MAX_MESSAGE_BYTES): closed
+    big = _local_client(c)
+    try:
+        for _ in range(100):
+            big.send(b"\x01" + b"x" * local.CHUNK)
+        closed = big.recv(100) == b""
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    assert closed
+    odd.close()
+    for (line,) in c.run_workers(LOCAL):
+        assert line["socks"] == {"S0": "Conn"}, line
+    assert c.wait_daemons() == [0, 0]

@@ -1,8 +1,10 @@
 """Fuzz smoke: a few thousand hostile frames (hypothesis, and kvps.tools.fuzz.frames) at a running
-job's scheduler and server. Every message must be answered (an ERROR, or an ACK to a probe), no
+job's scheduler and server (its ROUTER and its local socket). Every message must be answered (an ERROR, or an ACK to a probe), no
 daemon may die, and the job's worker must then get exact results. `kvps fuzz --frames N` is the
 long run."""
 import random
+import select
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 
 from harness import Cluster
 from kvps.tools.fuzz.frames import FIELDS, KINDS, Hostile
-from kvps.wire import protocol
+from kvps.wire import local, protocol
 from kvps.wire.protocol import Header, Op
 
 PY = sys.executable
@@ -69,6 +71,32 @@ class Target:
         self.ctx.term()
 
 
+class LocalTarget(Target):
+    """The server's local socket (kvps/wire/local.py), where its co-located workers' lanes connect:
+    the same messages, framed for it."""
+
+    def __init__(self, name, port, pid):
+        self.name, self.port, self.sent = name, port, 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(local.address(port, pid))
+        self.conn = local.Conn(self.sock, 1 << 30)
+
+    def ask(self, frames):
+        self.conn.send(frames, ANSWER_TIMEOUT)
+        self.sent += 1
+        deadline = time.monotonic() + ANSWER_TIMEOUT
+        while time.monotonic() < deadline:
+            reply = self.conn.receive()
+            if reply is not None:
+                return [bytes(f) for f in reply]
+            select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+        raise AssertionError(f"{self.name} did not answer message {self.sent} within {ANSWER_TIMEOUT} s: "
+                             f"{bytes(frames[0][:80])!r}")
+
+    def close(self):
+        self.conn.close()
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("fuzz"), 1, 1)
@@ -82,7 +110,8 @@ def job(tmp_path_factory):
         while not c.output("W0"):
             assert time.monotonic() < deadline and worker.poll() is None, f"the worker did not start\n{c.logs()}"
             time.sleep(0.05)
-        targets = [Target("H", int(c.address.rsplit(":", 1)[1])), Target("S0", c.server_ports[0])]
+        targets = [Target("H", int(c.address.rsplit(":", 1)[1])), Target("S0", c.server_ports[0]),
+                   LocalTarget("S0 (local socket)", c.server_ports[0], c.proc("S0").pid)]
         yield c, worker, targets
         for t in targets:
             t.close()

@@ -1,0 +1,157 @@
+"""Local sockets (kvps/wire/local.py): the framing of a message in datagrams, both ends, and what a
+bad peer gets, with real Unix sockets in this process."""
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from kvps.errors import KVTimeoutError, ProtocolError
+from kvps.wire import local
+
+pytestmark = pytest.mark.unit
+
+
+def _pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return local.Conn(a, 1 << 30), local.Conn(b, 1 << 30)
+
+
+def _receive(conn, tries=1000):
+    for _ in range(tries):
+        frames = conn.receive()
+        if frames is not None:
+            return [bytes(f) for f in frames]
+    raise AssertionError("no message")
+
+
+@pytest.mark.parametrize("sizes", [[12], [40, 1024], [40, 0, 7], [100, local.CHUNK], [64, 3 * local.CHUNK + 5],
+                                   [local.CHUNK - 13]])
+def test_a_message_comes_out_as_its_frames(sizes):
+    a, b = _pair()
+    frames = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    a.send(frames, timeout=5)
+    assert _receive(b) == frames
+    assert b.receive() is None
+
+
+def test_frames_may_be_any_buffer_and_are_copied_as_they_are_sent():
+    a, b = _pair()
+    values = np.arange(300, dtype=np.float32)
+    a.send([b"head", values, memoryview(values)[:10]], timeout=5)
+    values[:] = -1
+    head, got, part = _receive(b)
+    assert head == b"head"
+    assert np.array_equal(np.frombuffer(got, np.float32), np.arange(300, dtype=np.float32))
+    assert np.array_equal(np.frombuffer(part, np.float32), np.arange(10, dtype=np.float32))
+
+
+def test_posted_messages_wait_for_room_in_order_and_go_on_flush():
+    a, b = _pair()
+    sent = [[b"h", bytes([i % 256]) * 30_000] for i in range(400)]      # 12 MB: more than the socket holds
+    queued = False
+    for frames in sent:
+        queued = a.post(frames) or queued
+    assert queued and a.waiting() > 0
+    got = []
+    while len(got) < len(sent):
+        a.flush()
+        while (frames := b.receive()) is not None:
+            got.append([bytes(f) for f in frames])
+    assert got == sent and not a.flush() and a.waiting() == 0
+
+
+def test_a_blocked_send_times_out_and_a_failure_ends_it_sooner():
+    a, b = _pair()
+    with pytest.raises(KVTimeoutError, match="0.2 s"):
+        for _ in range(10_000):
+            a.send([b"h", b"x" * 60_000], timeout=0.2)
+
+    class Broken(Exception):
+        pass
+
+    def check():
+        raise Broken()
+    with pytest.raises(Broken):
+        a.send([b"h", b"x" * 60_000], timeout=5, check=check)
+    b.close()
+    with pytest.raises(EOFError):
+        a.send([b"h"], timeout=5)
+
+
+def _raw(conn):
+    return conn._sock
+
+
+@pytest.mark.parametrize("datagram, why", [
+    (b"\x00", "no frame count"),
+    (b"\x00" + struct.pack("<I", 0), "declares 0 frames"),
+    (b"\x00" + struct.pack("<I", 1 << 31), "declares"),
+    (b"\x00" + struct.pack("<II", 1, 100) + b"x" * 10, "declares 108"),
+    (b"\x07" + struct.pack("<II", 1, 1) + b"x", "flagged 7"),
+])
+def test_a_bad_datagram_is_a_protocol_error(datagram, why):
+    a, b = _pair()
+    _raw(a).send(datagram)
+    with pytest.raises(ProtocolError, match=why):
+        b.receive()
+
+
+def test_a_datagram_over_the_chunk_and_a_message_over_the_limit_are_refused():
+    a, b = _pair()
+    _raw(a).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    _raw(a).send(b"\x00" + b"x" * (local.CHUNK + 10))
+    with pytest.raises(ProtocolError, match="over"):
+        b.receive()
+    x, y = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    small = local.Conn(y, 100_000)
+    local.Conn(x, 1 << 30).send([b"h", b"x" * 200_000], timeout=5)
+    with pytest.raises(ProtocolError, match="after"):
+        _receive(small)
+
+
+def test_a_closed_peer_is_an_eof():
+    a, b = _pair()
+    a.send([b"last"], timeout=5)
+    a.close()
+    assert _receive(b) == [b"last"]
+    with pytest.raises(EOFError):
+        b.receive()
+
+
+def test_a_listener_takes_its_own_user_and_a_client_checks_the_pid():
+    listener = local.Listener(1, 1 << 20)
+    try:
+        conn = local.connect(1, os.getpid(), 1 << 20)
+        assert conn is not None
+        server_side = None
+        for _ in range(1000):
+            server_side = listener.accept()
+            if server_side is not None:
+                break
+        assert server_side is not None and listener.accepted == 1 and server_side.ident == 1
+        conn.send([b"ping"], timeout=5)
+        assert _receive(server_side) == [b"ping"]
+        server_side.post([b"pong"])
+        assert _receive(conn) == [b"pong"]
+        assert local.connect(2, os.getpid(), 1 << 20) is None         # nobody listens there
+    finally:
+        listener.close()
+    # a process that took the name of pid 1's server: the client finds pid 1 is not listening, and uses TCP
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        squatter.bind(local.address(4, 1))
+        squatter.listen(1)
+        assert local.connect(4, 1, 1 << 20) is None
+    finally:
+        squatter.close()
+
+
+def test_a_name_in_use_cannot_be_taken_twice():
+    first = local.Listener(3, 1 << 20)
+    try:
+        with pytest.raises(OSError):
+            local.Listener(3, 1 << 20)
+    finally:
+        first.close()
