@@ -23,7 +23,8 @@ flagged 1 (more follow) or 2 (the last). SOCK_SEQPACKET keeps the datagrams whol
     conn.post(frames)                           # never blocks: what does not fit waits (the server's I/O thread)
     frames = conn.receive()                     # a whole message, or None; EOFError once the peer is gone
 
-Trust: the server accepts a connection only from a process of its own user (SO_PEERCRED). A worker
+Trust: the server accepts a connection only from a process of its own user (SO_PEERCRED), and says
+so first (WELCOME); a worker that does not get that within WELCOME_TIMEOUT uses TCP. A worker
 uses the socket only if the process that listens on it has the server's pid, so a process that
 took the name first gets nothing. Jobs that run CURVE (KVPS_KEYS) do not listen: their messages
 go through CURVE, which checks who sent each one.
@@ -41,6 +42,8 @@ CHUNK = 64 << 10            # bytes of a message one datagram carries
 SNDBUF = 4 << 20            # each socket's send buffer, as asked (the kernel caps it at net.core.wmem_max)
 SLICE = 0.05                # seconds a blocked send waits before it checks whether the job broke
 MAX_FRAMES = 1 << 17        # frames in one message (a header and one payload per entry: protocol.MAX_ENTRIES)
+WELCOME = b"kvps local 1"     # what a server sends first on a connection it took (before any message)
+WELCOME_TIMEOUT = 2.0       # seconds a client waits for it; then it uses TCP
 _COUNT = struct.Struct("<I")
 _CRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
 
@@ -208,19 +211,27 @@ class Listener:
     def fileno(self):
         return self._sock.fileno()
 
-    def accept(self):
+    def accept(self, room=True):
         """The next waiting connection as a Conn, or None when none waits; raises PermissionError for a
-        process of another user (refused, closed) and OSError where no descriptor is left."""
+        process of another user, or any when not `room` (closed unwelcomed: it uses TCP), and
+        OSError where no descriptor is left."""
         try:
             sock, _ = self._sock.accept()
         except BlockingIOError:
             return None
         pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        if uid != os.getuid():
+        if uid != os.getuid() or not room:
             sock.close()
-            raise PermissionError(f"pid {pid} of uid {uid} connected; only uid {os.getuid()} may")
+            raise PermissionError(f"pid {pid} of uid {uid} connected; only uid {os.getuid()} may" if room else
+                                  f"pid {pid} connected, and there is no room for another local client")
+        conn = Conn(sock, self._limit, self.accepted + 1)
+        try:
+            sock.send(WELCOME)          # a fresh socket has room: this never blocks
+        except OSError:
+            conn.close()
+            return None
         self.accepted += 1
-        return Conn(sock, self._limit, self.accepted)
+        return conn
 
     def close(self):
         self._sock.close()
@@ -236,6 +247,9 @@ def connect(port, pid, limit):
         peer, _, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         if peer != pid:
             raise ConnectionRefusedError(f"pid {peer} listens where pid {pid} should")
+        sock.settimeout(WELCOME_TIMEOUT)
+        if sock.recv(len(WELCOME) + 1) != WELCOME:      # refused (another user, too many clients), or busy
+            raise ConnectionRefusedError(f"pid {pid} did not take the connection")
         return Conn(sock, limit)
     except OSError:
         sock.close()

@@ -642,7 +642,7 @@ class Van:
         """Take the local clients waiting to connect (bounded: a flood cannot starve the Van)."""
         for _ in range(auth.BATCH):
             try:
-                conn = self._listener.accept()
+                conn = self._listener.accept(room=len(self._locals) < MAX_LOCAL)
             except PermissionError as exc:
                 self.complaints(log, logging.WARNING, "%s: a local connection refused: %s", self.name, exc)
                 continue
@@ -654,11 +654,6 @@ class Van:
                 return
             if conn is None:
                 return
-            if len(self._locals) >= MAX_LOCAL:
-                self.complaints(log, logging.WARNING, "%s: a local client refused: %d are connected "
-                                "(MAX_LOCAL)", self.name, len(self._locals))
-                conn.close()
-                continue
             self._locals[conn.ident] = conn
             self._fds[conn.fileno()] = conn
             self._poller.register(conn, zmq.POLLIN)

@@ -208,6 +208,7 @@ def _local_client(c, server="S0"):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(10)
     sock.connect(local.address(c.server_ports[int(server[1:])], c.proc(server).pid))
+    assert sock.recv(64) == local.WELCOME
     return sock
 
 

@@ -79,6 +79,8 @@ class LocalTarget(Target):
         self.name, self.port, self.sent = name, port, 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(local.address(port, pid))
+        self.sock.settimeout(ANSWER_TIMEOUT)
+        assert self.sock.recv(64) == local.WELCOME
         self.conn = local.Conn(self.sock, 1 << 30)
 
     def ask(self, frames):

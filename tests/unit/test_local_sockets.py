@@ -3,6 +3,8 @@ bad peer gets, with real Unix sockets in this process."""
 import os
 import socket
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -120,22 +122,47 @@ def test_a_closed_peer_is_an_eof():
         b.receive()
 
 
-def test_a_listener_takes_its_own_user_and_a_client_checks_the_pid():
+def _accepting(listener, room=True):
+    """Accept one connection on a thread (a client's connect waits for the welcome); returns
+    a function that gives the accepted Conn, or the exception accept raised."""
+    got = []
+
+    def run():
+        for _ in range(2000):
+            try:
+                conn = listener.accept(room)
+            except Exception as exc:
+                got.append(exc)
+                return
+            if conn is not None:
+                got.append(conn)
+                return
+            time.sleep(0.001)
+    thread = threading.Thread(target=run)
+    thread.start()
+
+    def result():
+        thread.join(5)
+        return got[0]
+    return result
+
+
+def test_a_listener_welcomes_its_own_user_and_a_client_checks_the_pid():
     listener = local.Listener(1, 1 << 20)
     try:
+        accepted = _accepting(listener)
         conn = local.connect(1, os.getpid(), 1 << 20)
-        assert conn is not None
-        server_side = None
-        for _ in range(1000):
-            server_side = listener.accept()
-            if server_side is not None:
-                break
-        assert server_side is not None and listener.accepted == 1 and server_side.ident == 1
+        server_side = accepted()
+        assert conn is not None and listener.accepted == 1 and server_side.ident == 1
         conn.send([b"ping"], timeout=5)
         assert _receive(server_side) == [b"ping"]
         server_side.post([b"pong"])
         assert _receive(conn) == [b"pong"]
         assert local.connect(2, os.getpid(), 1 << 20) is None         # nobody listens there
+        # a server with no room closes the connection unwelcomed: the client goes on without it (TCP)
+        refused = _accepting(listener, room=False)
+        assert local.connect(1, os.getpid(), 1 << 20) is None
+        assert isinstance(refused(), PermissionError) and listener.accepted == 1
     finally:
         listener.close()
     # a process that took the name of pid 1's server: the client finds pid 1 is not listening, and uses TCP
@@ -148,6 +175,17 @@ def test_a_listener_takes_its_own_user_and_a_client_checks_the_pid():
         squatter.close()
 
 
+def test_a_server_that_does_not_welcome_in_time_is_not_used(monkeypatch):
+    monkeypatch.setattr(local, "WELCOME_TIMEOUT", 0.2)
+    listener = local.Listener(5, 1 << 20)         # never accepts
+    try:
+        start = time.monotonic()
+        assert local.connect(5, os.getpid(), 1 << 20) is None
+        assert time.monotonic() - start < 2
+    finally:
+        listener.close()
+
+
 def test_a_name_in_use_cannot_be_taken_twice():
     first = local.Listener(3, 1 << 20)
     try:
@@ -155,3 +193,21 @@ def test_a_name_in_use_cannot_be_taken_twice():
             local.Listener(3, 1 << 20)
     finally:
         first.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_a_process_of_another_user_is_refused():
+    import subprocess
+    import sys
+    listener = local.Listener(6, 1 << 20)
+    try:
+        accepted = _accepting(listener)
+        code = ("import os, sys; from kvps.wire import local; os.setgid(65534); os.setuid(65534); "
+                f"sys.exit(0 if local.connect(6, {os.getpid()}, 1 << 20) is None else 1)")
+        child = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
+        assert child.returncode == 0, child.stderr
+        refused = accepted()
+        assert isinstance(refused, PermissionError) and "uid 65534" in str(refused)
+        assert listener.accepted == 0
+    finally:
+        listener.close()
