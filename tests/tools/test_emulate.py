@@ -228,6 +228,17 @@ def test_tcp_transfers_run_at_the_link_rate(no_leaks):
     assert all(r["seconds"] < 1.35 * one for r in duplex.values()), duplex
 
 
+def test_plain_tcp_moves_a_ps_steps_bytes_no_faster_than_the_bound(no_leaks):
+    """kvps.tools.emulate.raw_ps: every worker to every server and back, all at once (W=2 S=2, 2 MB
+    at 50 Mbit/s: a bound of 0.32 s); never under the bound, and both directions no faster than one."""
+    from kvps.tools.emulate import raw_ps
+    both = list(raw_ps.run(2, 2, 2_000_000, "50mbit", tries=1, timeout=30, start_in=2))
+    one_way = list(raw_ps.run(2, 2, 2_000_000, "50mbit", tries=1, one_way=True, timeout=30, start_in=2))
+    (_, seconds, bound), (_, pushes, _) = both[0], one_way[0]
+    assert bound == pytest.approx(0.32)
+    assert 0.9 * bound < pushes < 3 * bound and 0.9 * bound < seconds < 3 * bound, (pushes, seconds)
+
+
 def test_delay_between_hosts(no_leaks):
     ok, why = permitted(delay=True)
     if not ok:
