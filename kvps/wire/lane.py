@@ -328,8 +328,9 @@ class Lane:
             exc = KVPSError(f"{peer} closed its local connection to {self._node.name}, and the job did not "
                             f"report it dead within the heartbeat timeout (KVPS_HEARTBEAT_TIMEOUT)")
             for request_id in waiting:
-                entry = self._pending.pop(request_id, None)
-                if entry is not None:
+                entry = self._pending.get(request_id)
+                if entry is not None and entry[1] == peer:     # (not sent on to a new head since)
+                    del self._pending[request_id]
                     entry[0]._answered(request_id, exc)
 
     def _forget(self, peer):

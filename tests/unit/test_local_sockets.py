@@ -211,3 +211,34 @@ def test_a_process_of_another_user_is_refused():
         assert listener.accepted == 0
     finally:
         listener.close()
+
+
+def test_a_lane_whose_server_closes_its_socket_fails_the_call_after_the_heartbeat_timeout():
+    """A server that closes a lane's local connection without the job reporting it dead (it closed
+    it for a reason of its own): the lane's waiting requests fail, naming it, after the heartbeat
+    timeout and a second, not after KVPS_TIMEOUT."""
+    import itertools
+    import types
+    from kvps.errors import KVPSError
+    from kvps.wire.lane import Lanes
+    from kvps.wire.protocol import Header, Op
+    listener = local.Listener(8, 1 << 20)
+    ids = itertools.count(1)
+    node = types.SimpleNamespace(
+        name="W0", servers_changed=0, telemetry=None, add_failure_listener=lambda fn: None,
+        requests=types.SimpleNamespace(failure=None, next_id=lambda: next(ids)),
+        cfg=types.SimpleNamespace(replicas=0, timeout=30.0, max_message_bytes=1 << 20, heartbeat_timeout=0.2),
+        van=types.SimpleNamespace(adopt=lambda owner: None))
+    try:
+        accepted = _accepting(listener)
+        lanes = Lanes(node, lambda peer: ("127.0.0.1", 8), lambda peer: (8, os.getpid()))
+        handle = lanes.mine().request_many([("S0", Header(Op.PULL), (), None)], "pull of key 'k'", 30.0)
+        server_side = accepted()
+        assert _receive(server_side)        # the request came; the server closes without answering
+        server_side.close()
+        start = time.monotonic()
+        with pytest.raises(KVPSError, match="S0 closed its local connection to W0"):
+            handle.wait()
+        assert 1.0 < time.monotonic() - start < 5
+    finally:
+        listener.close()
