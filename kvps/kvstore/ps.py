@@ -264,10 +264,7 @@ class DistKVStore(KVStore):
         except KeyError:
             pass
         arena = None
-        membership = self._node.membership
-        # (with KVPS_REPLICAS everything goes over TCP: a head copies what it receives to its replicas)
-        if self.cfg.shm and not self.cfg.replicas and \
-                membership["workers"][self.rank][0] == membership["servers"][server][0]:
+        if _co_located(self._node, server):
             arena = Arena(f"S{server}", functools.partial(self._attach, server))
         self._arenas[server] = arena
         return arena
@@ -776,15 +773,23 @@ def _server_address(node, peer):
     return host, port
 
 
+def _co_located(node, server):
+    """Whether this worker reaches server rank `server` by the co-located paths (shared memory, the
+    local socket): on this worker's host, with KVPS_SHM on and no replicas (with KVPS_REPLICAS
+    everything goes over TCP: a head copies what it receives to its replicas)."""
+    membership = node.membership
+    return bool(node.cfg.shm and not node.cfg.replicas
+                and membership["workers"][node.rank][0] == membership["servers"][server][0])
+
+
 def _server_local(node, peer):
-    """(port, pid) of server `peer` where a lane may reach it through its local socket (kvps/wire/local.py):
-    on this worker's host, with KVPS_SHM on, no replicas (whose chains the head's ROUTER clients follow,
-    as everything in such jobs goes over TCP) and no CURVE; else None."""
-    cfg = node.cfg
-    if not cfg.shm or cfg.replicas or node.keys is not None:
+    """(port, pid) of server `peer` where a lane may reach it through its local socket
+    (kvps/wire/local.py): co-located, and no CURVE; else None."""
+    server = int(peer[1:])
+    if node.keys is not None or not _co_located(node, server):
         return None
-    host, port, pid = node.membership["servers"][int(peer[1:])]
-    return (port, pid) if host == node.membership["workers"][node.rank][0] else None
+    _, port, pid = node.membership["servers"][server]
+    return port, pid
 
 
 def _finishers(items):

@@ -37,11 +37,12 @@ import struct
 import time
 
 from kvps.errors import KVTimeoutError, ProtocolError
+from kvps.wire.protocol import MAX_ENTRIES
 
 CHUNK = 64 << 10            # bytes of a message one datagram carries
 SNDBUF = 4 << 20            # each socket's send buffer, as asked (the kernel caps it at net.core.wmem_max)
 SLICE = 0.05                # seconds a blocked send waits before it checks whether the job broke
-MAX_FRAMES = 1 << 17        # frames in one message (a header and one payload per entry: protocol.MAX_ENTRIES)
+MAX_FRAMES = 1 + MAX_ENTRIES    # frames in one message: a header and at most one payload per entry
 WELCOME = b"kvps local 1"     # what a server sends first on a connection it took (before any message)
 WELCOME_TIMEOUT = 2.0       # seconds a client waits for it; then it uses TCP
 _COUNT = struct.Struct("<I")
@@ -219,7 +220,7 @@ class Listener:
             sock, _ = self._sock.accept()
         except BlockingIOError:
             return None
-        pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        pid, uid = _peer(sock)
         if uid != os.getuid() or not room:
             sock.close()
             raise PermissionError(f"pid {pid} of uid {uid} connected; only uid {os.getuid()} may" if room else
@@ -237,6 +238,12 @@ class Listener:
         self._sock.close()
 
 
+def _peer(sock):
+    """(pid, uid) of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
 def connect(port, pid, limit):
     """A Conn to the server listening on TCP `port` as process `pid` on this host, or None where there
     is none (an older server, another pid namespace, a name someone else holds)."""
@@ -244,7 +251,7 @@ def connect(port, pid, limit):
     try:
         sock.settimeout(SLICE)
         sock.connect(address(port, pid))
-        peer, _, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        peer, _ = _peer(sock)
         if peer != pid:
             raise ConnectionRefusedError(f"pid {peer} listens where pid {pid} should")
         sock.settimeout(WELCOME_TIMEOUT)

@@ -38,7 +38,9 @@ def _recv_exactly(sock, n):
     return data
 
 
-def _take(conn, result):
+def take(conn, result):
+    """Receive one sender's transfer on `conn` and acknowledge it; fills result with bytes and the
+    perf_counter times of the first and last byte."""
     expected = COUNT.unpack(_recv_exactly(conn, COUNT.size))[0]
     buf = bytearray(CHUNK)
     got, first = 0, None
@@ -63,7 +65,7 @@ def receive(bind, conns, timeout):
     def serve(conn, result):
         try:
             with conn:
-                _take(conn, result)
+                take(conn, result)
         except OSError as exc:
             errors.append(str(exc))
 

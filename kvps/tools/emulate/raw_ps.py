@@ -4,7 +4,8 @@
 
 W worker hosts and S server hosts, one process each (as in a kvps job); from one start time every
 worker sends M/S bytes to every server and, unless --one-way, every server sends M/S bytes to
-every worker, all flows at once (a thread each, `sendall` and `recv_into` of 1 MB). Each try
+every worker, all flows at once (a thread each, with the ends of kvps.tools.emulate.probe:
+`sendall` and `recv_into` of 1 MB). Each try
 prints the time from the start to the last byte the slowest host takes, beside the bandwidth bound
 of a PS step (kvps/tools/emulate/theory.py): no summing, no framing, no waiting for a round, so no
 PS step on these hosts can be faster. Needs root (network namespaces); docs/emulate.md.
@@ -21,58 +22,50 @@ import sys
 import threading
 import time
 
+from kvps.tools.emulate import probe
 from kvps.tools.emulate.network import Network, parse_rate
 from kvps.tools.emulate.theory import theory
 
-BLOCK = 1 << 20
 PORT = 7700
 START_IN = 4.0          # seconds from launching the hosts to the common start (Python starts on 2 cores)
 
 
 def host(address, port, peers, nbytes, start, expect, timeout=120.0):
-    """Listen on address:port for `expect` senders of nbytes each; at `start` (wall clock) send nbytes
-    to each of `peers`. Returns the seconds from `start` to the last byte taken (0 when none)."""
+    """Listen on address:port for `expect` senders of nbytes each; at `start` (time.perf_counter, which
+    every process on the machine reads from one clock) send nbytes to each of `peers`, as
+    kvps.tools.emulate.probe's ends do. Returns the seconds from `start` to the last byte taken (0
+    when none)."""
     server = socket.create_server((address, port), backlog=max(1, expect))
     server.settimeout(timeout)
-    ends, errors, threads = [], [], []
+    results, errors, threads = [], [], []
 
-    def take(conn):
-        with conn:
-            conn.settimeout(timeout)
-            buf, got = bytearray(BLOCK), 0
-            while got < nbytes:
-                n = conn.recv_into(buf)
-                if not n:
-                    errors.append(f"a sender closed after {got} of {nbytes} bytes")
-                    return
-                got += n
-            ends.append(time.time())
+    def take(conn, result):
+        try:
+            with conn:
+                conn.settimeout(timeout)
+                probe.take(conn, result)
+        except OSError as exc:
+            errors.append(f"take: {exc}")
 
     def accept():
         try:
             for _ in range(expect):
                 conn, _ = server.accept()
-                threads.append(threading.Thread(target=take, args=(conn,), daemon=True))
+                results.append({})
+                threads.append(threading.Thread(target=take, args=(conn, results[-1]), daemon=True))
                 threads[-1].start()
         except OSError as exc:
             errors.append(f"accept: {exc}")
 
-    acceptor = threading.Thread(target=accept, daemon=True)
-    acceptor.start()
-    time.sleep(max(0.0, start - time.time()))
-    block = memoryview(bytes(BLOCK))
-
     def give(peer):
         try:
-            with socket.create_connection((peer, port), timeout=timeout) as sock:
-                left = nbytes
-                while left:
-                    n = min(left, BLOCK)
-                    sock.sendall(block[:n])
-                    left -= n
+            probe.send(peer, port, nbytes, timeout)
         except OSError as exc:
             errors.append(f"send to {peer}: {exc}")
 
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    time.sleep(max(0.0, start - time.perf_counter()))
     senders = [threading.Thread(target=give, args=(peer,), daemon=True) for peer in peers]
     for t in senders:
         t.start()
@@ -82,9 +75,10 @@ def host(address, port, peers, nbytes, start, expect, timeout=120.0):
     for t in list(threads):
         t.join(max(0.0, deadline - time.monotonic()))
     server.close()
-    if errors or len(ends) != expect:
-        raise TimeoutError(f"{address}: {errors or f'{len(ends)} of {expect} transfers done in {timeout:g} s'}")
-    return max(ends) - start if ends else 0.0
+    done = [r["last"] for r in results if "last" in r]
+    if errors or len(done) != expect:
+        raise TimeoutError(f"{address}: {errors or f'{len(done)} of {expect} transfers done in {timeout:g} s'}")
+    return max(done) - start if done else 0.0
 
 
 def run(workers, servers, nbytes_model, rate="1gbit", tries=3, one_way=False, timeout=120.0, start_in=START_IN):
@@ -97,7 +91,7 @@ def run(workers, servers, nbytes_model, rate="1gbit", tries=3, one_way=False, ti
     with Network() as net:
         net.up(names, rate=rate)
         for attempt in range(tries):
-            start = time.time() + start_in
+            start = time.perf_counter() + start_in
             procs = []
             for name in names:
                 if name in worker_hosts:
