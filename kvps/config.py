@@ -86,6 +86,9 @@ VARIABLES = (
                                             "this size (Horovod's fusion threshold)"),
     Var("KVPS_RING_CHUNK_BYTES", 4 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
                                                "sending and reducing overlap"),
+    Var("KVPS_RING_LINK", 1, int, "1: ring neighbours that share no memory (other hosts, or KVPS_SHM=0) send chunks "
+                                  "on a TCP connection of their own, read straight into place "
+                                  "(kvps/collective/link.py; not under CURVE, not in elastic jobs); 0: through ZeroMQ"),
     Var("KVPS_KERNELS", "auto", str, "compute-kernel backend: auto, c, cuda, numba or numpy"),
     Var("KVPS_STRAGGLER", None, str, "slow this worker down by an extra delay per step: fixed:S, exp:MEAN or "
                                       "uniform:LO:HI seconds (kvps launch --straggler sets it; see kvps/straggler.py)"),
@@ -182,6 +185,7 @@ class Config:
     shm: int = _default("shm")
     fusion_bytes: int = _default("fusion_bytes")
     ring_chunk_bytes: int = _default("ring_chunk_bytes")
+    ring_link: int = _default("ring_link")
     kernels: str = _default("kernels")
     straggler: str = _default("straggler")
     straggler_seed: int = _default("straggler_seed")
@@ -231,6 +235,8 @@ class Config:
                               f"{self.peer_reply_bytes} must not be negative (0: no bound)")
         if self.shm not in (0, 1):
             raise ConfigError(f"KVPS_SHM={self.shm} must be 0 or 1")
+        if self.ring_link not in (0, 1):
+            raise ConfigError(f"KVPS_RING_LINK={self.ring_link} must be 0 or 1")
         if self.elastic not in (0, 1):
             raise ConfigError(f"KVPS_ELASTIC={self.elastic} must be 0 or 1")
         if self.replicas < 0:

@@ -7,6 +7,9 @@ KVPS_RING_CHUNK_BYTES and each chunk is forwarded as soon as it is reduced, so s
 receiving and summing overlap along the ring. Sums run through kvps.kernels. Between neighbours
 on one host a chunk of a buffer made by Ring.buffer() goes through shared memory instead: the
 neighbour sums or copies it straight out of the sender's buffer (kvps/collective/shared.py).
+Between neighbours that share no memory, chunks go on a TCP connection of their own from the second
+collective on, and the receiver reads them straight into place (kvps/collective/link.py); the
+first collective, and every one with KVPS_RING_LINK=0, goes through ZeroMQ.
 
 Every worker must make the same collective calls in the same order (as with Horovod and
 torch.distributed): collectives are numbered, and a worker waits for its neighbour's chunks
@@ -24,6 +27,7 @@ import time
 import numpy as np
 
 from kvps import kernels
+from kvps.collective import link
 from kvps.collective.shared import Shared
 from kvps.errors import KVPSError, KVTimeoutError, ProtocolError
 from kvps.wire.protocol import Entry, Header, Op, as_array, dtype_code, numpy_dtype
@@ -59,6 +63,12 @@ class Ring:
         self._next = 0                       # number of the next collective
         self.epoch = 0                       # joins this worker has completed (see serve)
         self.shared = Shared.of(node, cfg, self.rank, self.size)     # None: every chunk over TCP
+        self._linking = self.shared is None and _link_allowed(node, cfg, self.size)
+        self._out = None                     # link.Outbound to the right neighbour, once offered
+        self._in = None                      # link.Inbound from the left neighbour, once connected
+        self._offer = None                   # the left's link offer, until our next collective takes it
+        self._refused = None                 # why the right could not take our link (said over ZeroMQ)
+        self._scratch = np.empty(0, np.uint8)   # a reduce-scatter chunk read from the link
         node.on_peer_message(self._on_message)
         node.add_failure_listener(self._end)
 
@@ -66,6 +76,9 @@ class Ring:
     def _on_message(self, header, payloads):
         meta = header.meta
         phase = meta.get("phase")
+        if phase == "link":
+            self._on_link(header.src, meta)
+            return
         if phase in ("attach", "attached"):
             if self.shared is None:     # KVPS_SHM=0 here, or a neighbour elsewhere: the sender stays on TCP
                 log.info("%s: %s offers its ring buffer in shared memory; this worker does not share",
@@ -92,6 +105,17 @@ class Ring:
             self._inbox[slot] = value
             self._cond.notify_all()
 
+    def _on_link(self, src, meta):
+        with self._cond:
+            if src == self.left and "port" in meta and self._offer is None and self._in is None:
+                self._offer = meta
+            elif src == self.right and "refused" in meta and self._out is not None:
+                self._refused = str(meta["refused"])[:200]
+            else:
+                log.warning("%s: unexpected ring link message from %s dropped", self.node.name, src)
+                return
+            self._cond.notify_all()
+
     def _sent(self, sent):
         with self._cond:
             sent.done = True
@@ -102,12 +126,25 @@ class Ring:
             if self._ended is None:
                 self._ended = exc
             self._cond.notify_all()
+        if self._in is not None:        # a read blocked on the link returns, and finds _ended
+            self._in.wake()
+
+    def _link_broken(self, exc):
+        """A link failed (on the sending thread, or the caller's read). A neighbour that died makes
+        the job fail with its NodeFailure within the heartbeat timeout: wait that long for it, so
+        the error names the dead node, then end the ring with `exc`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ended is not None, self.cfg.heartbeat_timeout + 1)
+        self._end(exc)
 
     def close(self):
         """End the waits of a running collective with KVPSError; later collectives fail at once."""
         self._end(KVPSError(f"{self.node.name}: the ring is closed (its kvstore was closed)"))
         if self.shared is not None:
             self.shared.close()
+        for end in (self._out, self._in):
+            if end is not None:
+                end.close()
 
     def wake(self):
         """Have a waiting serve() look at its `done()` again (call once what it reads has changed)."""
@@ -167,6 +204,70 @@ class Ring:
                        lambda: f"{what}: collective {seq}: {self.right} did not say it had read the "
                                f"chunks placed in shared memory")
             self._read.discard(seq)
+
+    # ---- the TCP link (kvps/collective/link.py), set up at a collective's start ----
+    def _link(self, seq, deadline):
+        """Take up the left's offer; offer ours to the right, or accept its connection at the
+        collective the offer named. Returns (the Outbound, the Inbound) this collective uses, or None."""
+        with self._cond:
+            offer, self._offer = self._offer, None
+        if offer is not None:
+            self._connect(offer)
+        out = self._out
+        if out is None and self._linking:
+            self._linking = False           # offered once: a refusal or a failure leaves ZeroMQ in use
+            try:
+                out = link.Outbound(self.node.name, self.right, self._host(self.rank), self._link_broken)
+            except OSError as exc:
+                log.info("%s: no ring link to %s (%s): chunks go through ZeroMQ", self.node.name, self.right, exc)
+            else:
+                self.node.send_to_peer(self.right, Header(Op.RING, meta=out.offer(seq + 1)))
+                self._out = out
+        elif out is not None and not out.linked and seq >= out.from_seq:
+            if not out.accept(deadline, lambda: self._refused):
+                out.close()
+                self._out = None
+        out = self._out if self._out is not None and self._out.linked and seq >= self._out.from_seq else None
+        inn = self._in if self._in is not None and seq >= self._in.from_seq else None
+        return out, inn
+
+    def _connect(self, offer):
+        name, host = self.node.name, self._host(self.rank - 1)
+        if not self.cfg.ring_link:
+            if link.refuse(name, self.left, host, offer, self.cfg.connect_timeout):
+                return
+            reason = "KVPS_RING_LINK=0 on this worker"
+        else:
+            try:
+                self._in = link.Inbound.connect(name, self.left, host, offer, self.cfg.connect_timeout)
+                return
+            except (OSError, ProtocolError) as exc:
+                reason = str(exc)
+                log.warning("%s: cannot link to %s for the ring (%s): its chunks come through ZeroMQ",
+                            name, self.left, reason)
+        if self.node.connect_worker((self.rank - 1) % self.size):
+            self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "link", "refused": reason[:200]}))
+
+    def _host(self, rank):
+        return self.node.membership["workers"][rank % self.size][0]
+
+    def _read_link(self, inn, seq, phase, step, c, code, into, what, deadline):
+        """Read a chunk from the left's link into `into`; a broken link ends the ring (with the
+        job's NodeFailure if one comes within the heartbeat timeout)."""
+        try:
+            inn.read(link.head(seq, phase, step, c, code, into.nbytes), into, deadline)
+        except link.LinkBroken as exc:
+            self._link_broken(exc)
+            raise self._ended from None
+        except KVTimeoutError:
+            raise KVTimeoutError(f"{what}: collective {seq}: no data from {self.left} for {PHASES[phase]} "
+                                 f"step {step} chunk {c} within {self.cfg.timeout:g} s (KVPS_TIMEOUT)") from None
+
+    def _scratch_for(self, count, dtype):
+        nbytes = count * dtype.itemsize
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes].view(dtype)
 
     def buffer(self, count, dtype):
         """A 1-D array for collectives that is kept from call to call: in shared memory when the ring
@@ -234,9 +335,17 @@ class Ring:
         if shared is not None:
             shared.map_waiting()
             placed, read = shared.placed, shared.read        # this collective's: what they grow by
+        out, inn = self._link(seq, deadline)
+        telemetry = self.node.telemetry         # None unless KVPS_METRICS_PORT or KVPS_TIMELINE is set
 
         def send(phase, step, c, a, b):
             piece = flat[a:b]
+            if out is not None:
+                sent = sending[a] = _Sent(phase, step, c)
+                out.send(link.head(seq, phase, step, c, code, piece.nbytes), piece, lambda: self._sent(sent))
+                if telemetry is not None:
+                    telemetry.sent(self.right, Op.RING, [piece.view(np.uint8)])
+                return
             at = shared.place(piece) if shared is not None else None
             sending[a] = self._send(seq, n, phase, step, c, piece, at)
 
@@ -249,12 +358,20 @@ class Ring:
             lo, hi = bounds[segment], bounds[segment + 1]
             return [(c, a, min(a + step_elems, hi)) for c, a in enumerate(range(lo, hi, step_elems))]
 
-        telemetry = self.node.telemetry         # None unless KVPS_METRICS_PORT or KVPS_TIMELINE is set
         chunk_events = telemetry is not None and telemetry.timeline is not None
 
-        def take(phase, step, c, a, b):
+        def take(phase, step, c, a, b, into=None):
+            """The chunk from the left: read into `into` (link only), or a view of where it is."""
             if chunk_events:
                 started = time.time()
+            if inn is not None:
+                into = self._scratch_for(b - a, flat.dtype) if into is None else into
+                self._read_link(inn, seq, phase, step, c, code, into, what, deadline)
+                if chunk_events:
+                    telemetry.ring_chunk(seq, phase, step, c, started, time.time())
+                if telemetry is not None:
+                    telemetry.received(("peer", self.left), Header(Op.RING), [into.view(np.uint8)])
+                return into
             entry, frame, at = self._receive(seq, phase, step, c, what, deadline)
             if chunk_events:
                 telemetry.ring_chunk(seq, phase, step, c, started, time.time())
@@ -285,9 +402,13 @@ class Ring:
             telemetry.ring_phase(seq, "reduce_scatter", phase_start, gather_start, flat.nbytes)
         for step in range(size - 1):                       # all-gather
             for c, a, b in chunks((rank - step) % size):
-                received = take("ag", step, c, a, b)
-                settle(a)
-                flat[a:b] = received
+                if inn is not None:                        # read straight into place
+                    settle(a)
+                    take("ag", step, c, a, b, into=flat[a:b])
+                else:
+                    received = take("ag", step, c, a, b)
+                    settle(a)
+                    flat[a:b] = received
                 if step < size - 2:
                     send("ag", step + 1, c, a, b)
         for a in list(sending):                            # the caller may change the buffer next
@@ -299,6 +420,12 @@ class Ring:
                 self._done(seq, what, deadline)
         if telemetry is not None:
             telemetry.ring_phase(seq, "all_gather", gather_start, time.time(), flat.nbytes)
+
+
+def _link_allowed(node, cfg, size):
+    """Whether this worker offers its right neighbour a TCP link: KVPS_RING_LINK, not under CURVE
+    (the link's bytes are not encrypted), not in elastic jobs (whose ring changes)."""
+    return bool(size > 1 and cfg.ring_link and not cfg.elastic and node.keys is None)
 
 
 def fuse(arrays, limit):

@@ -438,12 +438,14 @@ SCHEMA = {
     }),
     Op.RING: Message("worker -> worker", "one chunk of a ring all-reduce step, sent to the right neighbour; "
                                          "between neighbours on one host also the shared-memory handshake "
-                                         "(kvps/collective/shared.py)", {
+                                         "(kvps/collective/shared.py), elsewhere the TCP link's "
+                                         "(kvps/collective/link.py)", {
         "seq": Field(INT, "the collective's number (every worker runs them in the same order)", required=False),
         "n": Field(INT, "the collective's buffer size in elements", required=False),
         "phase": Field(STR, "rs (reduce-scatter) or ag (all-gather); attach (map my segment), attached (the "
                             "answer, to the left neighbour), done (the left neighbour's placed chunks of "
-                            "collective seq are read)"),
+                            "collective seq are read); link (my TCP link's offer, to the right neighbour, or "
+                            "its refusal, to the left)"),
         "step": Field(INT, "the step within the phase", required=False),
         "chunk": Field(INT, "the chunk's index within its segment", required=False),
         "epoch": Field(INT, "joins the sender has completed (a collective of a later epoch waits)", required=False),
@@ -451,8 +453,13 @@ SCHEMA = {
                                        "the message", required=False),
         "segment": Field(INT, "attach, attached: the sender's segment id", required=False),
         "fd": Field(INT, "attach: the segment's descriptor in the sender (opened through /proc)", required=False),
-        "nonce": Field(BYTES, "attach: the bytes the segment starts with", required=False),
-        "refused": Field(STR, "attached: why the segment could not be mapped (it stays on TCP)", required=False),
+        "nonce": Field(BYTES, "attach: the bytes the segment starts with; link: the bytes a connection to the "
+                              "offered port must send first", required=False),
+        "refused": Field(STR, "attached: why the segment could not be mapped (it stays on TCP); link: why the "
+                              "right neighbour cannot take the link (chunks stay on ZeroMQ)", required=False),
+        "port": Field(INT, "link: the sender's listening port, on the host the job registered for it",
+                      required=False),
+        "from": Field(INT, "link: the first collective whose chunks go on the link", required=False),
     }),
 }
 

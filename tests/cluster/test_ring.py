@@ -87,12 +87,16 @@ except kvps.KVPSError as e:
 '''
 
 
-@pytest.mark.parametrize("script", ["fresh buffers over TCP", "kept buffers by place"])
+@pytest.mark.parametrize("script", ["fresh buffers through ZeroMQ", "fresh buffers on the TCP link",
+                                    "kept buffers by place"])
 def test_dead_peer_fails_the_ring_loudly(cluster, script):
     import time
     env = {"KVPS_RING_CHUNK_BYTES": "65536"}
+    # each case is about its own path, whatever the tier runs over
     if script.endswith("by place"):
-        env["KVPS_SHM"] = "1"           # this case is about shared memory, whatever the tier runs over
+        env["KVPS_SHM"] = "1"
+    else:
+        env.update(KVPS_SHM="0", KVPS_RING_LINK="1" if script.endswith("link") else "0")
     c = cluster(3, 0, env=env)
     procs = c.spawn_workers(DEAD if script.startswith("fresh") else DEAD_PLACED)
     deadline = time.monotonic() + 30

@@ -1,7 +1,8 @@
-"""The ring between workers on one host through shared memory (kvps/collective/shared.py), with
-real processes: chunks go by place once the right neighbour has mapped the buffer, the results are
-bit for bit those of the TCP path (KVPS_SHM=0). test_ring.py kills a neighbour mid-collective, by
-place and over TCP."""
+"""The ring's two ways around ZeroMQ, with real processes: between workers on one host, shared
+memory (kvps/collective/shared.py: chunks go by place once the right neighbour has mapped the
+buffer); with KVPS_SHM=0 (as between hosts), the TCP link (kvps/collective/link.py: chunks read
+straight into place from the second collective on). Either way the results are bit for bit those
+of the ZeroMQ path. test_ring.py kills a neighbour mid-collective on each path."""
 import pytest
 
 # Random float32 (whose sums depend on their order), float16 and int64 keys, several chunks per
@@ -20,9 +21,10 @@ for step in range(6):
     kv.pushpull(keys, [v * (step + 1) for v in vals], out=outs)
     for o in outs:
         digest.update(o.tobytes())
-shared = kv._ring.shared
-print(json.dumps({"hash": digest.hexdigest(), "placed": shared and shared.placed, "read": shared and shared.read}),
-      flush=True)
+ring = kv._ring
+shared, out, inn = ring.shared, ring._out, ring._in
+print(json.dumps({"hash": digest.hexdigest(), "placed": shared and shared.placed, "read": shared and shared.read,
+                  "linked": out and out.chunks, "link read": inn and inn.chunks}), flush=True)
 kv.close()
 '''
 
@@ -39,3 +41,17 @@ def test_chunks_go_by_place_and_sum_bit_for_bit_as_over_tcp(cluster, workers):
     for line in runs["1"]:
         assert line["placed"] > 0 and line["read"] > 0, runs["1"]
     assert all(line["placed"] is None for line in runs["0"]), runs["0"]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_without_shared_memory_chunks_go_on_the_tcp_link_and_sum_bit_for_bit_as_over_zeromq(cluster, workers):
+    env = {"KVPS_RING_CHUNK_BYTES": "16384", "KVPS_SHM": "0"}
+    runs = {}
+    for on in ("1", "0"):
+        c = cluster(workers, 0, env=dict(env, KVPS_RING_LINK=on))
+        runs[on] = [line for (line,) in c.run_workers(SCRIPT, timeout=120)]
+        assert c.wait_daemons() == [0]
+    assert len({line["hash"] for lines in runs.values() for line in lines}) == 1, runs
+    for line in runs["1"]:      # the first collective goes through ZeroMQ while the link is offered
+        assert line["linked"] > 0 and line["link read"] > 0 and line["placed"] is None, runs["1"]
+    assert all(line["linked"] is None and line["link read"] is None for line in runs["0"]), runs["0"]

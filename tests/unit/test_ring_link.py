@@ -1,0 +1,144 @@
+"""The ring's TCP link (kvps/collective/link.py) in one process: the nonce handshake, chunks read
+straight into place with their heads checked, and every way a link ends (a stranger, NO, a
+refusal over ZeroMQ, a closed peer, a deadline)."""
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvps.collective import link
+from kvps.errors import KVTimeoutError, ProtocolError
+
+pytestmark = pytest.mark.unit
+
+
+def _pair(from_seq=1):
+    broken = []
+    out = link.Outbound("W0", "W1", "127.0.0.1", broken.append)
+    offer = out.offer(from_seq)
+    inn = link.Inbound.connect("W1", "W0", "127.0.0.1", offer, timeout=5)
+    assert out.accept(time.monotonic() + 5, lambda: None)
+    return out, inn, broken
+
+
+def test_chunks_arrive_in_place_in_order():
+    out, inn, broken = _pair()
+    try:
+        assert out.linked and inn.from_seq == 1
+        a = np.arange(100_000, dtype=np.float32)
+        b = np.arange(7, dtype=np.int64)
+        done = threading.Event()
+        out.send(link.head(1, "rs", 0, 0, 1, a.nbytes), a, lambda: None)
+        out.send(link.head(1, "ag", 2, 3, 9, b.nbytes), b, done.set)
+        got_a, got_b = np.empty_like(a), np.zeros(10, np.int64)
+        inn.read(link.head(1, "rs", 0, 0, 1, a.nbytes), got_a, time.monotonic() + 5)
+        inn.read(link.head(1, "ag", 2, 3, 9, b.nbytes), got_b[2:9], time.monotonic() + 5)
+        assert (got_a == a).all() and (got_b[2:9] == b).all() and not got_b[:2].any() and not got_b[9:].any()
+        assert done.wait(5) and out.chunks == 2 and inn.chunks == 2 and not broken
+    finally:
+        out.close()
+        inn.close()
+
+
+def test_a_head_other_than_the_one_expected_is_a_protocol_error():
+    out, inn, _ = _pair()
+    try:
+        a = np.ones(4, np.float32)
+        out.send(link.head(3, "rs", 1, 0, 1, a.nbytes), a, lambda: None)
+        with pytest.raises(ProtocolError, match=r"W0 sent ring chunk .*\(3, 0, 1, 0, 1, 16\).*expected "
+                                                r"\(3, 0, 2, 0, 1, 16\)"):
+            inn.read(link.head(3, "rs", 2, 0, 1, a.nbytes), np.empty(4, np.float32), time.monotonic() + 5)
+    finally:
+        out.close()
+        inn.close()
+
+
+def test_a_closed_peer_is_a_broken_link_and_a_silent_one_a_timeout():
+    out, inn, _ = _pair()
+    try:
+        started = time.monotonic()
+        with pytest.raises(KVTimeoutError, match="no ring data from W0"):
+            inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 0.3)
+        assert time.monotonic() - started < 2
+        out.close()
+        with pytest.raises(link.LinkBroken, match="W0 closed the ring's link"):
+            inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 5)
+    finally:
+        inn.close()
+
+
+def test_a_read_blocked_on_another_thread_wakes_when_the_ring_ends():
+    out, inn, _ = _pair()
+    errors = []
+
+    def read():
+        try:
+            inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 30)
+        except Exception as exc:        # noqa: BLE001 - the test looks at what it was
+            errors.append(exc)
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    inn.wake()
+    reader.join(5)
+    assert not reader.is_alive() and isinstance(errors[0], link.LinkBroken)
+    out.close()
+    inn.close()
+
+
+def test_a_sender_whose_peer_went_away_reports_the_link_broken_and_frees_the_memory():
+    out, inn, broken = _pair()
+    inn.close()
+    big = np.zeros(8 << 20, np.uint8)        # more than the socket buffers take
+    done = threading.Event()
+    out.send(link.head(1, "rs", 0, 0, 1, big.nbytes), big, done.set)
+    assert done.wait(10) and broken and isinstance(broken[0], link.LinkBroken)
+    assert "the ring's link to W1 failed" in str(broken[0])
+    out.close()
+
+
+def test_only_a_connection_with_the_nonce_links():
+    out = link.Outbound("W0", "W1", "127.0.0.1", lambda exc: None)
+    offer = out.offer(1)
+    strangers = [socket.create_connection(("127.0.0.1", offer["port"])) for _ in range(2)]
+    strangers[0].sendall(b"\0" * (link.NONCE_BYTES + 1))     # a wrong nonce
+    strangers[1].close()                                      # nothing at all
+    inn = link.Inbound.connect("W1", "W0", "127.0.0.1", offer, timeout=5)
+    try:
+        assert out.accept(time.monotonic() + 10, lambda: None)
+        a = np.arange(5, dtype=np.float64)
+        out.send(link.head(1, "ag", 0, 0, 2, a.nbytes), a, lambda: None)
+        got = np.empty(5)
+        inn.read(link.head(1, "ag", 0, 0, 2, a.nbytes), got, time.monotonic() + 5)
+        assert (got == a).all()
+    finally:
+        strangers[0].close()
+        out.close()
+        inn.close()
+
+
+def test_no_or_a_refusal_leaves_the_link_unused_and_a_silent_peer_times_out():
+    out = link.Outbound("W0", "W1", "127.0.0.1", lambda exc: None)
+    assert link.refuse("W1", "W0", "127.0.0.1", out.offer(1), timeout=5)
+    assert out.accept(time.monotonic() + 5, lambda: None) is False and not out.linked
+    out.close()
+    out = link.Outbound("W0", "W1", "127.0.0.1", lambda exc: None)
+    out.offer(1)
+    assert out.accept(time.monotonic() + 5, lambda: "could not connect") is False
+    out.close()
+    out = link.Outbound("W0", "W1", "127.0.0.1", lambda exc: None)
+    out.offer(1)
+    with pytest.raises(KVTimeoutError, match="W1 did not connect to its ring link"):
+        out.accept(time.monotonic() + 0.3, lambda: None)
+    out.close()
+
+
+@pytest.mark.parametrize("meta", [{}, {"port": 0, "nonce": b"x" * 16, "from": 1},
+                                  {"port": 5, "nonce": b"short", "from": 1},
+                                  {"port": 5, "nonce": b"x" * 16, "from": -1},
+                                  {"port": "many", "nonce": b"x" * 16, "from": 1}])
+def test_an_offer_kvps_would_not_send_is_refused(meta):
+    with pytest.raises(ProtocolError, match="malformed ring link offer from W0"):
+        link.Inbound.connect("W1", "W0", "127.0.0.1", meta, timeout=1)
