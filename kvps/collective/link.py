@@ -88,8 +88,9 @@ class Outbound:
 
     def accept(self, deadline, refused):
         """Wait for the right neighbour to connect with the nonce; True once linked, False if it
-        said NO or `refused()` gives its reason (it could not connect: sent over ZeroMQ).
-        Raises KVTimeoutError at the deadline. Closes the listener either way."""
+        said NO or `refused()` gives its reason (it could not connect: sent over ZeroMQ). Raises
+        KVTimeoutError at the deadline, and whatever `refused()` raises (the ring has ended: it is
+        asked every 0.2 s). Closes the listener either way."""
         strangers = 0
         try:
             while True:

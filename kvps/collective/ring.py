@@ -224,7 +224,7 @@ class Ring:
                 self.node.send_to_peer(self.right, Header(Op.RING, meta=out.offer(seq + 1)))
                 self._out = out
         elif out is not None and not out.linked and seq >= out.from_seq:
-            if not out.accept(deadline, lambda: self._refused):
+            if not out.accept(deadline, self._link_refused):
                 out.close()
                 self._out = None
         out = self._out if self._out is not None and self._out.linked and seq >= self._out.from_seq else None
@@ -247,6 +247,12 @@ class Ring:
                             name, self.left, reason)
         if self.node.connect_worker((self.rank - 1) % self.size):
             self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "link", "refused": reason[:200]}))
+
+    def _link_refused(self):
+        """Why the right neighbour cannot take our link, or None; raises what ended the ring."""
+        if self._ended is not None:
+            raise self._ended
+        return self._refused
 
     def _host(self, rank):
         return self.node.membership["workers"][rank % self.size][0]

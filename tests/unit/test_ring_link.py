@@ -142,3 +142,19 @@ def test_no_or_a_refusal_leaves_the_link_unused_and_a_silent_peer_times_out():
 def test_an_offer_kvps_would_not_send_is_refused(meta):
     with pytest.raises(ProtocolError, match="malformed ring link offer from W0"):
         link.Inbound.connect("W1", "W0", "127.0.0.1", meta, timeout=1)
+
+
+def test_accept_ends_with_the_ring():
+    out = link.Outbound("W0", "W1", "127.0.0.1", lambda exc: None)
+    out.offer(1)
+    ended = []
+
+    def check():
+        if ended:
+            raise ended[0]
+    threading.Timer(0.3, lambda: ended.append(KVTimeoutError("the job failed"))).start()
+    started = time.monotonic()
+    with pytest.raises(KVTimeoutError, match="the job failed"):
+        out.accept(time.monotonic() + 30, check)
+    assert time.monotonic() - started < 2
+    out.close()
