@@ -36,6 +36,7 @@ log = logging.getLogger("kvps.ring")
 
 OPS = ("sum", "average")
 PHASES = {"rs": "reduce-scatter", "ag": "all-gather"}
+MAX_INBOX = 1 << 16         # announced collectives kept (a left neighbour can run only so far ahead)
 
 
 class _Sent:
@@ -87,6 +88,13 @@ class Ring:
                 log.warning("%s: unexpected ring message %r dropped", self.node.name, header)
             return
         try:
+            if phase == "start":        # a collective whose chunks come on the link (see _run)
+                with self._cond:
+                    if int(meta["seq"]) >= self._next and len(self._inbox) < MAX_INBOX:
+                        self._inbox[(meta["seq"], "start", 0, 0)] = (header.keys[0], None, int(meta["n"]),
+                                                                    int(meta.get("epoch", 0)), None)
+                        self._cond.notify_all()
+                return
             if phase == "done":         # the right neighbour has read what we placed for collective seq
                 seq = int(meta["seq"])
                 with self._cond:
@@ -206,9 +214,17 @@ class Ring:
             self._read.discard(seq)
 
     # ---- the TCP link (kvps/collective/link.py), set up at a collective's start ----
-    def _link(self, seq, deadline):
+    def _link(self, seq, deadline, n, code):
         """Take up the left's offer; offer ours to the right, or accept its connection at the
-        collective the offer named. Returns (the Outbound, the Inbound) this collective uses, or None."""
+        collective the offer named. Returns (the Outbound, the Inbound) this collective uses, or None.
+
+        A collective whose chunks go on the link (or would, once the right neighbour connects) is
+        announced over ZeroMQ first: a worker that has joined waits in serve() for a collective
+        to start, and connects to the link only once it runs one."""
+        if self._out is not None and seq >= self._out.from_seq:
+            self.node.send_to_peer(self.right, Header(Op.RING, keys=[Entry.bare(seq, 0, code, (n,))],
+                                                      meta={"seq": seq, "n": n, "phase": "start",
+                                                            "epoch": self.epoch}))
         with self._cond:
             offer, self._offer = self._offer, None
         if offer is not None:
@@ -341,7 +357,7 @@ class Ring:
         if shared is not None:
             shared.map_waiting()
             placed, read = shared.placed, shared.read        # this collective's: what they grow by
-        out, inn = self._link(seq, deadline)
+        out, inn = self._link(seq, deadline, n, code)
         telemetry = self.node.telemetry         # None unless KVPS_METRICS_PORT or KVPS_TIMELINE is set
 
         def send(phase, step, c, a, b):
@@ -419,6 +435,8 @@ class Ring:
                     send("ag", step + 1, c, a, b)
         for a in list(sending):                            # the caller may change the buffer next
             settle(a)
+        with self._cond:                # an announcement of this collective (see _link), if any
+            self._inbox.pop((seq, "start", 0, 0), None)
         if shared is not None:
             if shared.read != read:     # the left neighbour may change its buffer once we say so
                 self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "done", "seq": seq}))

@@ -445,7 +445,8 @@ SCHEMA = {
         "phase": Field(STR, "rs (reduce-scatter) or ag (all-gather); attach (map my segment), attached (the "
                             "answer, to the left neighbour), done (the left neighbour's placed chunks of "
                             "collective seq are read); link (my TCP link's offer, to the right neighbour, or "
-                            "its refusal, to the left)"),
+                            "its refusal, to the left); start (collective seq of n elements has begun, its "
+                            "chunks on the link)"),
         "step": Field(INT, "the step within the phase", required=False),
         "chunk": Field(INT, "the chunk's index within its segment", required=False),
         "epoch": Field(INT, "joins the sender has completed (a collective of a later epoch waits)", required=False),

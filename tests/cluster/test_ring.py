@@ -156,3 +156,33 @@ def test_join_ends_before_the_next_collective_however_late_it_is_seen(cluster):
     assert a["x"] == [1.0] * 5 and a["last"] == b["last"] == 0
     assert a["y"] == b["y"] == [30.0] * 4
     assert c.wait_daemons() == [0]
+
+
+JOIN_LINKED = r'''
+import json, numpy as np, kvps
+kv = kvps.create("allreduce")
+r, W = kv.rank, kv.num_workers
+x = np.full(3, r + 1.0, np.float32)
+kvps.allreduce(x)                      # collective 0 (ZeroMQ): every worker; the links are offered
+sums = []
+if r == 0:
+    for i in range(4):                 # collectives 1-4: on the links; the others serve them with zeros
+        y = np.full(70_001, i + 1.0, np.float32)
+        kvps.allreduce(y)
+        sums.append(float(y.sum()))
+last = kv.join()
+z = np.full(5, 1.0, np.float32)
+kvps.allreduce(z)                      # everyone again, after the join
+ring = kv._ring
+print(json.dumps({"x": x.tolist(), "sums": sums, "last": last, "z": z.tolist(),
+                  "linked": ring._out is not None and ring._out.chunks}), flush=True)
+'''
+
+
+def test_a_joined_worker_serves_collectives_whose_chunks_come_on_the_tcp_link(cluster):
+    c = cluster(3, 0, env={"KVPS_SHM": "0", "KVPS_RING_LINK": "1", "KVPS_RING_CHUNK_BYTES": "65536"})
+    lines = [line for (line,) in c.run_workers(JOIN_LINKED, timeout=90)]
+    assert all(line["x"] == [6.0] * 3 and line["z"] == [3.0] * 5 for line in lines), lines
+    assert lines[0]["sums"] == [70_001.0 * (i + 1) for i in range(4)] and lines[0]["last"] == 0, lines
+    assert all(line["linked"] for line in lines), lines      # the served collectives went on the links
+    assert c.wait_daemons() == [0]
