@@ -27,7 +27,9 @@ encrypted.
 
 Each chunk is a 20-byte head (collective, phase, step, chunk, dtype, byte count), then its bytes. A
 neighbour sends chunks in exactly the order the receiver takes them (kvps/collective/ring.py), so
-a head that is not the one expected is a protocol error, not a reordering.
+a head that is not the one expected is a protocol error, not a reordering. The ring also announces
+each collective on the link over ZeroMQ (phase "start"), for a worker that has joined and waits
+for collectives to serve rather than reading the link.
 """
 import hmac
 import logging
