@@ -6,7 +6,7 @@
 """
 import numpy as np
 
-from kvps.arrays import Out, as_numpy
+from kvps.arrays import Out, as_numpy, copy_into
 from kvps.collective.ring import OPS, Ring, fuse
 from kvps.config import Config
 from kvps.kvstore.base import KVStore
@@ -74,7 +74,7 @@ class RingKVStore(KVStore):
             offset = 0
             for i in group:
                 size = arrays[i].size
-                buf[offset:offset + size] = arrays[i].reshape(-1)
+                copy_into(buf[offset:offset + size], arrays[i].reshape(-1))
                 results[i] = buf[offset:offset + size].reshape(arrays[i].shape)
                 offset += size
             self._ring.allreduce(buf, what, average)
@@ -125,7 +125,7 @@ class RingKVStore(KVStore):
     def _fill(self, items):
         for info, outs in items:
             for o in outs:
-                np.copyto(o.array, self._stored[info.key])
+                copy_into(o.array, self._stored[info.key])
                 o.finish()
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from kvps import kernels
+from kvps.arrays import copy_into
 from kvps.ps import compression, sharding
 from kvps.config import Config
 from kvps.ps.consistency import Consistency
@@ -42,14 +42,6 @@ def _bytes(array):
 SHM_MESSAGES = 4      # a message to a server through shared memory carries 4x KVPS_MESSAGE_BYTES
 LANE_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.ROW_SPARSE_PULL})
 _AUTO = object()      # _send: choose the way (lane or I/O thread) there
-
-
-def _copy(dest, src):
-    """dest[:] = src, through shared memory: kernels.copy streams big copies past the cache."""
-    if dest.dtype == src.dtype and dest.flags.c_contiguous and src.flags.c_contiguous:
-        kernels.copy(dest, src)
-    else:
-        np.copyto(dest, src)
 
 
 class Messages:
@@ -238,7 +230,7 @@ class DistKVStore(KVStore):
                 into = self._region(part.server, info, part, "reply") if replies else None
                 if regions is not None:
                     region = regions[i]
-                    _copy(region.array(info.dtype, seg.size), seg)
+                    copy_into(region.array(info.dtype, seg.size), seg)
                     messages.add(part.server, Entry(info.key, part.index, code, part.shape(info.shape), 0), None,
                                  seg.nbytes, shm=region, into=into)
                     continue
@@ -376,9 +368,9 @@ class DistKVStore(KVStore):
                     if frame is not None:
                         np.copyto(dest, as_array(frame, entry).reshape(-1))
                     elif index in shared:
-                        _copy(dest, self._replied(info, entry.part).array(info.dtype, dest.size))
+                        copy_into(dest, self._replied(info, entry.part).array(info.dtype, dest.size))
                     elif index in placed:
-                        _copy(dest, self._server_memory(reader, entry, placed[index], dest.nbytes).view(info.dtype))
+                        copy_into(dest, self._server_memory(reader, entry, placed[index], dest.nbytes).view(info.dtype))
                 first = dests.get((entry.key, entry.part))
                 if delta and self._pulled is not None and first and first[0][0].dtype == np.float32:
                     # sent as it is (a key's first compressed pull): this worker's copy from now on

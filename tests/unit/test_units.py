@@ -188,3 +188,17 @@ def test_bench_cost_report_pairs_each_run_with_the_plain_run_before_it():
     other = median_run([[dict(row, ms=m)] for m in (1.1, 2.0, 4.8)])
     table = cost_report("t", "metrics", plain, other)
     assert "| 1 KB round | pushpull | 2.000 | 2.000 | 1.00 | 1.100 |" in table, table
+
+
+def test_copy_into_streams_contiguous_copies_and_falls_back_to_numpy():
+    from kvps.arrays import copy_into
+    src = np.arange(3 << 18, dtype=np.float32)             # 3 MiB: the streaming kernel's size
+    dest = np.empty_like(src)
+    copy_into(dest, src)
+    assert (dest == src).all()
+    grid = np.empty((768, 1024), np.float32)               # the same bytes in another shape (a pull's out)
+    copy_into(grid, src)
+    assert (grid.reshape(-1) == src).all()
+    strided = np.zeros((6, 4), np.float64)[:, ::2]         # not contiguous: numpy's copy, broadcasting
+    copy_into(strided, np.arange(2.0))
+    assert (strided == [0.0, 1.0]).all()
