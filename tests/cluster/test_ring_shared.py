@@ -29,15 +29,21 @@ kv.close()
 '''
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_chunks_go_by_place_and_sum_bit_for_bit_as_over_tcp(cluster, workers):
-    env = {"KVPS_RING_CHUNK_BYTES": "16384"}
+def _runs(cluster, workers, env, name):
+    """SCRIPT's lines from a job with the variable `name` at 1 and from one with it at 0, each
+    with several chunks per segment; every worker of both got the same bytes."""
     runs = {}
-    for shm in ("1", "0"):
-        c = cluster(workers, 0, env=dict(env, KVPS_SHM=shm))
-        runs[shm] = [line for (line,) in c.run_workers(SCRIPT, timeout=120)]
+    for value in ("1", "0"):
+        c = cluster(workers, 0, env=dict(env, KVPS_RING_CHUNK_BYTES="16384", **{name: value}))
+        runs[value] = [line for (line,) in c.run_workers(SCRIPT, timeout=120)]
         assert c.wait_daemons() == [0]
     assert len({line["hash"] for lines in runs.values() for line in lines}) == 1, runs
+    return runs
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_chunks_go_by_place_and_sum_bit_for_bit_as_over_tcp(cluster, workers):
+    runs = _runs(cluster, workers, {}, "KVPS_SHM")
     for line in runs["1"]:
         assert line["placed"] > 0 and line["read"] > 0, runs["1"]
     assert all(line["placed"] is None for line in runs["0"]), runs["0"]
@@ -45,13 +51,7 @@ def test_chunks_go_by_place_and_sum_bit_for_bit_as_over_tcp(cluster, workers):
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_without_shared_memory_chunks_go_on_the_tcp_link_and_sum_bit_for_bit_as_over_zeromq(cluster, workers):
-    env = {"KVPS_RING_CHUNK_BYTES": "16384", "KVPS_SHM": "0"}
-    runs = {}
-    for on in ("1", "0"):
-        c = cluster(workers, 0, env=dict(env, KVPS_RING_LINK=on))
-        runs[on] = [line for (line,) in c.run_workers(SCRIPT, timeout=120)]
-        assert c.wait_daemons() == [0]
-    assert len({line["hash"] for lines in runs.values() for line in lines}) == 1, runs
+    runs = _runs(cluster, workers, {"KVPS_SHM": "0"}, "KVPS_RING_LINK")
     for line in runs["1"]:      # the first collective goes through ZeroMQ while the link is offered
         assert line["linked"] > 0 and line["link read"] > 0 and line["placed"] is None, runs["1"]
     assert all(line["linked"] is None and line["link read"] is None for line in runs["0"]), runs["0"]
