@@ -9,11 +9,10 @@ socket: into its place in the fused buffer in the all-gather, into a scratch chu
 in the reduce-scatter. No thread hand-off on the receiving side, and no pass over the data
 between the kernel and its place.
 
-    out = Outbound(node_name, right_name, host, on_broken)   # the sender's end: listens, port 0
-    meta = out.offer(from_seq)        # a RING "link" message for the right neighbour (zmq)
-    out.accept(deadline, refused)     # at a later collective: the right neighbour connects
+    links = Links.of(node, cfg, rank, size, on_broken, offer)   # one ring member's two ends
+    links.message(src, meta)          # I/O thread: the left's offer, or the right's refusal
+    out, inn = links.start(seq, deadline, n, code, epoch, check)   # at each collective's start
     out.send(head, piece, done)       # queued; done() runs once the bytes are in the kernel
-    inn = Inbound.connect(left_name, host, meta, timeout)     # the receiver's end
     inn.read(head, into, deadline)    # a chunk's head checked, its bytes read into `into`
 
 The handshake goes over the ring's ZeroMQ connection, which already reaches the right neighbour:
@@ -43,6 +42,7 @@ import time
 import numpy as np
 
 from kvps.errors import KVPSError, KVTimeoutError, ProtocolError
+from kvps.wire.protocol import Entry, Header, Op
 
 log = logging.getLogger("kvps.ring")
 
@@ -52,6 +52,110 @@ NONCE_BYTES = 16
 YES, NO = b"Y", b"N"
 HELLO_TIMEOUT = 2.0                 # seconds a connecting peer has to present the nonce
 MAX_STRANGERS = 32                  # connections without the nonce dropped before the listener closes
+
+
+class Links:
+    """One ring member's links: the Outbound it offers its right neighbour (where the two share no
+    memory) and the Inbound from its left neighbour (where that one offered), both set up at the
+    start of a collective, on the ring's thread."""
+
+    def __init__(self, node, cfg, rank, size, on_broken, offer):
+        self.node, self.cfg, self.size = node, cfg, size
+        self.rank, self.right, self.left = rank, f"W{(rank + 1) % size}", f"W{(rank - 1) % size}"
+        self._on_broken = on_broken     # on_broken(LinkBroken): the ring decides what ends it
+        self._offering = offer          # not offered yet, and ours to offer
+        self.out = None                 # Outbound to the right neighbour, once offered
+        self.inn = None                 # Inbound from the left neighbour, once connected
+        self._lock = threading.Lock()
+        self._offer = None              # the left's offer, until our next collective takes it up
+        self._refused = None            # why the right cannot take our link (it said so over ZeroMQ)
+
+    @classmethod
+    def of(cls, node, cfg, rank, size, on_broken, offer):
+        """Links for a ring of `size` (None for one worker). `offer`: the neighbours share no memory;
+        the link is offered only with KVPS_RING_LINK, not under CURVE (its bytes would not be
+        encrypted) and not in elastic jobs (whose ring changes)."""
+        if size < 2:
+            return None
+        offer = bool(offer and cfg.ring_link and not cfg.elastic and node.keys is None)
+        return cls(node, cfg, rank, size, on_broken, offer)
+
+    def message(self, src, meta):
+        """A RING "link" message (I/O thread): the left's offer, or the right's refusal. False for
+        one that is neither (dropped)."""
+        with self._lock:
+            if src == self.left and "port" in meta and self._offer is None and self.inn is None:
+                self._offer = meta
+            elif src == self.right and "refused" in meta and self.out is not None:
+                self._refused = str(meta["refused"])[:200]
+            else:
+                return False
+        return True
+
+    def start(self, seq, deadline, n, code, epoch, check):
+        """At collective `seq`'s start (n elements of dtype `code`): take up the left's offer; offer
+        ours to the right, or accept its connection at the collective the offer named. Returns (the
+        Outbound, the Inbound) this collective's chunks go on, each None where ZeroMQ carries them.
+        `check()` raises what ended the ring (asked while accepting).
+
+        A collective whose chunks go on the link (or would, once the right neighbour connects) is
+        first announced over ZeroMQ (phase "start"): a worker that has joined waits in serve() for a
+        collective to start, and connects only once it runs one."""
+        out = self.out
+        if out is not None and seq >= out.from_seq:
+            self.node.send_to_peer(self.right, Header(Op.RING, keys=[Entry.bare(seq, 0, code, (n,))],
+                                                      meta={"seq": seq, "n": n, "phase": "start", "epoch": epoch}))
+        with self._lock:
+            offer, self._offer = self._offer, None
+        if offer is not None:
+            self._connect(offer)
+        if out is None and self._offering:
+            self._offering = False          # offered once: a refusal or a failure leaves ZeroMQ in use
+            try:
+                out = Outbound(self.node.name, self.right, self._host(self.rank), self._on_broken)
+            except OSError as exc:
+                log.info("%s: no ring link to %s (%s): chunks go through ZeroMQ", self.node.name, self.right, exc)
+            else:
+                self.node.send_to_peer(self.right, Header(Op.RING, meta=out.offer(seq + 1)))
+                self.out = out
+        elif out is not None and not out.linked and seq >= out.from_seq:
+            if not out.accept(deadline, lambda: check() or self._refused):
+                out.close()
+                self.out = None
+        out = self.out if self.out is not None and self.out.linked and seq >= self.out.from_seq else None
+        inn = self.inn if self.inn is not None and seq >= self.inn.from_seq else None
+        return out, inn
+
+    def _connect(self, offer):
+        name, host = self.node.name, self._host(self.rank - 1)
+        if not self.cfg.ring_link:
+            if refuse(name, self.left, host, offer, self.cfg.connect_timeout):
+                return
+            reason = "KVPS_RING_LINK=0 on this worker"
+        else:
+            try:
+                self.inn = Inbound.connect(name, self.left, host, offer, self.cfg.connect_timeout)
+                return
+            except (OSError, ProtocolError) as exc:
+                reason = str(exc)
+                log.warning("%s: cannot link to %s for the ring (%s): its chunks come through ZeroMQ",
+                            name, self.left, reason)
+        if self.node.connect_worker((self.rank - 1) % self.size):      # tell it over ZeroMQ instead
+            self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "link", "refused": reason[:200]}))
+
+    def _host(self, rank):
+        """The address the job registered for worker `rank` (never one a message names)."""
+        return self.node.membership["workers"][rank % self.size][0]
+
+    def wake(self):
+        """The ring has ended: a read blocked on the Inbound returns."""
+        if self.inn is not None:
+            self.inn.wake()
+
+    def close(self):
+        for end in (self.out, self.inn):
+            if end is not None:
+                end.close()
 
 
 class LinkBroken(KVPSError):

@@ -64,11 +64,8 @@ class Ring:
         self._next = 0                       # number of the next collective
         self.epoch = 0                       # joins this worker has completed (see serve)
         self.shared = Shared.of(node, cfg, self.rank, self.size)     # None: every chunk over TCP
-        self._linking = self.shared is None and _link_allowed(node, cfg, self.size)
-        self._out = None                     # link.Outbound to the right neighbour, once offered
-        self._in = None                      # link.Inbound from the left neighbour, once connected
-        self._offer = None                   # the left's link offer, until our next collective takes it
-        self._refused = None                 # why the right could not take our link (said over ZeroMQ)
+        # TCP links to the neighbours where they share no memory (None: every chunk through ZeroMQ)
+        self.links = link.Links.of(node, cfg, self.rank, self.size, self._link_broken, offer=self.shared is None)
         self._scratch = np.empty(0, np.uint8)   # a reduce-scatter chunk read from the link
         node.on_peer_message(self._on_message)
         node.add_failure_listener(self._end)
@@ -78,7 +75,8 @@ class Ring:
         meta = header.meta
         phase = meta.get("phase")
         if phase == "link":
-            self._on_link(header.src, meta)
+            if self.links is None or not self.links.message(header.src, meta):
+                log.warning("%s: unexpected ring link message from %s dropped", self.node.name, header.src)
             return
         if phase in ("attach", "attached"):
             if self.shared is None:     # KVPS_SHM=0 here, or a neighbour elsewhere: the sender stays on TCP
@@ -113,17 +111,6 @@ class Ring:
             self._inbox[slot] = value
             self._cond.notify_all()
 
-    def _on_link(self, src, meta):
-        with self._cond:
-            if src == self.left and "port" in meta and self._offer is None and self._in is None:
-                self._offer = meta
-            elif src == self.right and "refused" in meta and self._out is not None:
-                self._refused = str(meta["refused"])[:200]
-            else:
-                log.warning("%s: unexpected ring link message from %s dropped", self.node.name, src)
-                return
-            self._cond.notify_all()
-
     def _sent(self, sent):
         with self._cond:
             sent.done = True
@@ -134,8 +121,8 @@ class Ring:
             if self._ended is None:
                 self._ended = exc
             self._cond.notify_all()
-        if self._in is not None:        # a read blocked on the link returns, and finds _ended
-            self._in.wake()
+        if self.links is not None:      # a read blocked on the link returns, and finds _ended
+            self.links.wake()
 
     def _link_broken(self, exc):
         """A link failed (on the sending thread, or the caller's read). A neighbour that died makes
@@ -150,9 +137,8 @@ class Ring:
         self._end(KVPSError(f"{self.node.name}: the ring is closed (its kvstore was closed)"))
         if self.shared is not None:
             self.shared.close()
-        for end in (self._out, self._in):
-            if end is not None:
-                end.close()
+        if self.links is not None:
+            self.links.close()
 
     def wake(self):
         """Have a waiting serve() look at its `done()` again (call once what it reads has changed)."""
@@ -213,65 +199,11 @@ class Ring:
                                f"chunks placed in shared memory")
             self._read.discard(seq)
 
-    # ---- the TCP link (kvps/collective/link.py), set up at a collective's start ----
-    def _link(self, seq, deadline, n, code):
-        """Take up the left's offer; offer ours to the right, or accept its connection at the
-        collective the offer named. Returns (the Outbound, the Inbound) this collective uses, or None.
-
-        A collective whose chunks go on the link (or would, once the right neighbour connects) is
-        announced over ZeroMQ first: a worker that has joined waits in serve() for a collective
-        to start, and connects to the link only once it runs one."""
-        if self._out is not None and seq >= self._out.from_seq:
-            self.node.send_to_peer(self.right, Header(Op.RING, keys=[Entry.bare(seq, 0, code, (n,))],
-                                                      meta={"seq": seq, "n": n, "phase": "start",
-                                                            "epoch": self.epoch}))
-        with self._cond:
-            offer, self._offer = self._offer, None
-        if offer is not None:
-            self._connect(offer)
-        out = self._out
-        if out is None and self._linking:
-            self._linking = False           # offered once: a refusal or a failure leaves ZeroMQ in use
-            try:
-                out = link.Outbound(self.node.name, self.right, self._host(self.rank), self._link_broken)
-            except OSError as exc:
-                log.info("%s: no ring link to %s (%s): chunks go through ZeroMQ", self.node.name, self.right, exc)
-            else:
-                self.node.send_to_peer(self.right, Header(Op.RING, meta=out.offer(seq + 1)))
-                self._out = out
-        elif out is not None and not out.linked and seq >= out.from_seq:
-            if not out.accept(deadline, self._link_refused):
-                out.close()
-                self._out = None
-        out = self._out if self._out is not None and self._out.linked and seq >= self._out.from_seq else None
-        inn = self._in if self._in is not None and seq >= self._in.from_seq else None
-        return out, inn
-
-    def _connect(self, offer):
-        name, host = self.node.name, self._host(self.rank - 1)
-        if not self.cfg.ring_link:
-            if link.refuse(name, self.left, host, offer, self.cfg.connect_timeout):
-                return
-            reason = "KVPS_RING_LINK=0 on this worker"
-        else:
-            try:
-                self._in = link.Inbound.connect(name, self.left, host, offer, self.cfg.connect_timeout)
-                return
-            except (OSError, ProtocolError) as exc:
-                reason = str(exc)
-                log.warning("%s: cannot link to %s for the ring (%s): its chunks come through ZeroMQ",
-                            name, self.left, reason)
-        if self.node.connect_worker((self.rank - 1) % self.size):
-            self.node.send_to_peer(self.left, Header(Op.RING, meta={"phase": "link", "refused": reason[:200]}))
-
-    def _link_refused(self):
-        """Why the right neighbour cannot take our link, or None; raises what ended the ring."""
+    # ---- the TCP link (kvps/collective/link.py) ----
+    def _raise_if_ended(self):
+        """Raises what ended the ring, if it has ended (asked while a link is being accepted)."""
         if self._ended is not None:
             raise self._ended
-        return self._refused
-
-    def _host(self, rank):
-        return self.node.membership["workers"][rank % self.size][0]
 
     def _read_link(self, inn, seq, phase, step, c, code, into, what, deadline):
         """Read a chunk from the left's link into `into`; a broken link ends the ring (with the
@@ -357,7 +289,8 @@ class Ring:
         if shared is not None:
             shared.map_waiting()
             placed, read = shared.placed, shared.read        # this collective's: what they grow by
-        out, inn = self._link(seq, deadline, n, code)
+        out, inn = self.links.start(seq, deadline, n, code, self.epoch, self._raise_if_ended) if self.links is not None \
+            else (None, None)
         telemetry = self.node.telemetry         # None unless KVPS_METRICS_PORT or KVPS_TIMELINE is set
 
         def send(phase, step, c, a, b):
@@ -444,12 +377,6 @@ class Ring:
                 self._done(seq, what, deadline)
         if telemetry is not None:
             telemetry.ring_phase(seq, "all_gather", gather_start, time.time(), flat.nbytes)
-
-
-def _link_allowed(node, cfg, size):
-    """Whether this worker offers its right neighbour a TCP link: KVPS_RING_LINK, not under CURVE
-    (the link's bytes are not encrypted), not in elastic jobs (whose ring changes)."""
-    return bool(size > 1 and cfg.ring_link and not cfg.elastic and node.keys is None)
 
 
 def fuse(arrays, limit):

@@ -175,7 +175,7 @@ z = np.full(5, 1.0, np.float32)
 kvps.allreduce(z)                      # everyone again, after the join
 ring = kv._ring
 print(json.dumps({"x": x.tolist(), "sums": sums, "last": last, "z": z.tolist(),
-                  "linked": ring._out is not None and ring._out.chunks}), flush=True)
+                  "linked": ring.links.out is not None and ring.links.out.chunks}), flush=True)
 '''
 
 

@@ -22,7 +22,8 @@ for step in range(6):
     for o in outs:
         digest.update(o.tobytes())
 ring = kv._ring
-shared, out, inn = ring.shared, ring._out, ring._in
+shared = ring.shared
+out, inn = (ring.links.out, ring.links.inn) if ring.links else (None, None)
 print(json.dumps({"hash": digest.hexdigest(), "placed": shared and shared.placed, "read": shared and shared.read,
                   "linked": out and out.chunks, "link read": inn and inn.chunks}), flush=True)
 kv.close()

@@ -158,3 +158,48 @@ def test_accept_ends_with_the_ring():
         out.accept(time.monotonic() + 30, check)
     assert time.monotonic() - started < 2
     out.close()
+
+
+class _Node:
+    """What Links uses of a Worker node: its name, the job's addresses, and ZeroMQ to the neighbours
+    (here a list of what was sent)."""
+
+    def __init__(self, rank, size):
+        self.name = f"W{rank}"
+        self.membership = {"workers": [("127.0.0.1", 0, 1000 + r) for r in range(size)]}
+        self.sent = []
+
+    def send_to_peer(self, name, header):
+        self.sent.append((name, header))
+
+    def connect_worker(self, rank):
+        return True
+
+
+def test_links_offer_connect_and_announce_between_two_workers():
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(ring_link=1, elastic=0, connect_timeout=5)
+    nodes = [_Node(r, 2) for r in range(2)]
+    for node in nodes:
+        node.keys = None
+    # W0's neighbours share memory with it, W1's do not: only W1 offers, and W0 still takes it up
+    links = [link.Links.of(nodes[r], cfg, r, 2, lambda exc: None, offer=(r == 1)) for r in range(2)]
+    assert links[1].start(0, time.monotonic() + 5, 8, 1, 0, lambda: None) == (None, None)
+    (to, offer), = nodes[1].sent
+    assert to == "W0" and offer.meta["phase"] == "link" and offer.meta["from"] == 1
+    assert links[0].message("W1", offer.meta) and not links[0].message("W1", offer.meta)   # one offer
+    assert not links[0].message("W7", {"refused": "x"})
+    out0, inn0 = links[0].start(1, time.monotonic() + 5, 8, 1, 0, lambda: None)      # connects
+    assert out0 is None and inn0 is not None and not nodes[0].sent
+    out1, inn1 = links[1].start(1, time.monotonic() + 5, 8, 1, 0, lambda: None)      # accepts
+    assert out1 is not None and inn1 is None
+    start = nodes[1].sent[-1][1]            # collective 1 announced over ZeroMQ, before its chunks
+    assert start.meta == {"seq": 1, "n": 8, "phase": "start", "epoch": 0} and start.keys[0].shape == (8,)
+    a = np.arange(8, dtype=np.float32)
+    out1.send(link.head(1, "rs", 0, 0, 1, a.nbytes), a, lambda: None)
+    got = np.empty(8, np.float32)
+    inn0.read(link.head(1, "rs", 0, 0, 1, a.nbytes), got, time.monotonic() + 5)
+    assert (got == a).all()
+    for one in links:
+        one.close()
+    assert link.Links.of(nodes[0], cfg, 0, 1, lambda exc: None, offer=True) is None     # one worker: no ring
