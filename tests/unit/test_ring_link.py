@@ -14,63 +14,59 @@ from kvps.errors import KVTimeoutError, ProtocolError
 pytestmark = pytest.mark.unit
 
 
-def _pair(from_seq=1):
+@pytest.fixture
+def pair():
+    """(Outbound W0 -> W1, its Inbound, what the Outbound reported broken), linked; both closed
+    after the test (closing twice is allowed)."""
     broken = []
     out = link.Outbound("W0", "W1", "127.0.0.1", broken.append)
-    offer = out.offer(from_seq)
+    offer = out.offer(1)
     inn = link.Inbound.connect("W1", "W0", "127.0.0.1", offer, timeout=5)
-    assert out.accept(time.monotonic() + 5, lambda: None)
-    return out, inn, broken
-
-
-def test_chunks_arrive_in_place_in_order():
-    out, inn, broken = _pair()
     try:
-        assert out.linked and inn.from_seq == 1
-        a = np.arange(100_000, dtype=np.float32)
-        b = np.arange(7, dtype=np.int64)
-        done = threading.Event()
-        out.send(link.head(1, "rs", 0, 0, 1, a.nbytes), a, lambda: None)
-        out.send(link.head(1, "ag", 2, 3, 9, b.nbytes), b, done.set)
-        got_a, got_b = np.empty_like(a), np.zeros(10, np.int64)
-        inn.read(link.head(1, "rs", 0, 0, 1, a.nbytes), got_a, time.monotonic() + 5)
-        inn.read(link.head(1, "ag", 2, 3, 9, b.nbytes), got_b[2:9], time.monotonic() + 5)
-        assert (got_a == a).all() and (got_b[2:9] == b).all() and not got_b[:2].any() and not got_b[9:].any()
-        assert done.wait(5) and out.chunks == 2 and inn.chunks == 2 and not broken
+        assert out.accept(time.monotonic() + 5, lambda: None)
+        yield out, inn, broken
     finally:
         out.close()
         inn.close()
 
 
-def test_a_head_other_than_the_one_expected_is_a_protocol_error():
-    out, inn, _ = _pair()
-    try:
-        a = np.ones(4, np.float32)
-        out.send(link.head(3, "rs", 1, 0, 1, a.nbytes), a, lambda: None)
-        with pytest.raises(ProtocolError, match=r"W0 sent ring chunk .*\(3, 0, 1, 0, 1, 16\).*expected "
-                                                r"\(3, 0, 2, 0, 1, 16\)"):
-            inn.read(link.head(3, "rs", 2, 0, 1, a.nbytes), np.empty(4, np.float32), time.monotonic() + 5)
-    finally:
-        out.close()
-        inn.close()
+def test_chunks_arrive_in_place_in_order(pair):
+    out, inn, broken = pair
+    assert out.linked and inn.from_seq == 1
+    a = np.arange(100_000, dtype=np.float32)
+    b = np.arange(7, dtype=np.int64)
+    done = threading.Event()
+    out.send(link.head(1, "rs", 0, 0, 1, a.nbytes), a, lambda: None)
+    out.send(link.head(1, "ag", 2, 3, 9, b.nbytes), b, done.set)
+    got_a, got_b = np.empty_like(a), np.zeros(10, np.int64)
+    inn.read(link.head(1, "rs", 0, 0, 1, a.nbytes), got_a, time.monotonic() + 5)
+    inn.read(link.head(1, "ag", 2, 3, 9, b.nbytes), got_b[2:9], time.monotonic() + 5)
+    assert (got_a == a).all() and (got_b[2:9] == b).all() and not got_b[:2].any() and not got_b[9:].any()
+    assert done.wait(5) and out.chunks == 2 and inn.chunks == 2 and not broken
 
 
-def test_a_closed_peer_is_a_broken_link_and_a_silent_one_a_timeout():
-    out, inn, _ = _pair()
-    try:
-        started = time.monotonic()
-        with pytest.raises(KVTimeoutError, match="no ring data from W0"):
-            inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 0.3)
-        assert time.monotonic() - started < 2
-        out.close()
-        with pytest.raises(link.LinkBroken, match="W0 closed the ring's link"):
-            inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 5)
-    finally:
-        inn.close()
+def test_a_head_other_than_the_one_expected_is_a_protocol_error(pair):
+    out, inn, _ = pair
+    a = np.ones(4, np.float32)
+    out.send(link.head(3, "rs", 1, 0, 1, a.nbytes), a, lambda: None)
+    with pytest.raises(ProtocolError, match=r"W0 sent ring chunk .*\(3, 0, 1, 0, 1, 16\).*expected "
+                                            r"\(3, 0, 2, 0, 1, 16\)"):
+        inn.read(link.head(3, "rs", 2, 0, 1, a.nbytes), np.empty(4, np.float32), time.monotonic() + 5)
 
 
-def test_a_read_blocked_on_another_thread_wakes_when_the_ring_ends():
-    out, inn, _ = _pair()
+def test_a_closed_peer_is_a_broken_link_and_a_silent_one_a_timeout(pair):
+    out, inn, _ = pair
+    started = time.monotonic()
+    with pytest.raises(KVTimeoutError, match="no ring data from W0"):
+        inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 0.3)
+    assert time.monotonic() - started < 2
+    out.close()
+    with pytest.raises(link.LinkBroken, match="W0 closed the ring's link"):
+        inn.read(link.head(1, "rs", 0, 0, 1, 8), np.empty(2, np.float32), time.monotonic() + 5)
+
+
+def test_a_read_blocked_on_another_thread_wakes_when_the_ring_ends(pair):
+    out, inn, _ = pair
     errors = []
 
     def read():
@@ -84,19 +80,16 @@ def test_a_read_blocked_on_another_thread_wakes_when_the_ring_ends():
     inn.wake()
     reader.join(5)
     assert not reader.is_alive() and isinstance(errors[0], link.LinkBroken)
-    out.close()
-    inn.close()
 
 
-def test_a_sender_whose_peer_went_away_reports_the_link_broken_and_frees_the_memory():
-    out, inn, broken = _pair()
+def test_a_sender_whose_peer_went_away_reports_the_link_broken_and_frees_the_memory(pair):
+    out, inn, broken = pair
     inn.close()
     big = np.zeros(8 << 20, np.uint8)        # more than the socket buffers take
     done = threading.Event()
     out.send(link.head(1, "rs", 0, 0, 1, big.nbytes), big, done.set)
     assert done.wait(10) and broken and isinstance(broken[0], link.LinkBroken)
     assert "the ring's link to W1 failed" in str(broken[0])
-    out.close()
 
 
 def test_only_a_connection_with_the_nonce_links():
