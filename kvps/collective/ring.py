@@ -159,11 +159,12 @@ class Ring:
     def _receive(self, seq, phase, step, chunk, what, deadline):
         slot = (seq, phase, step, chunk)
         with self._cond:
-            self._wait(lambda: slot in self._inbox, deadline,
-                       lambda: f"{what}: collective {seq}: no data from {self.left} for "
-                               f"{PHASES[phase]} step {step} chunk {chunk}")
+            self._wait(lambda: slot in self._inbox, deadline, lambda: self._no_data(seq, phase, step, chunk, what))
             entry, frame, _, _, at = self._inbox.pop(slot)
             return entry, frame, at
+
+    def _no_data(self, seq, phase, step, chunk, what):
+        return f"{what}: collective {seq}: no data from {self.left} for {PHASES[phase]} step {step} chunk {chunk}"
 
     def _settle(self, sent, seq, what, deadline):
         """Wait until zmq no longer reads a chunk sent earlier (before it changes, or the call ends)."""
@@ -214,8 +215,8 @@ class Ring:
             self._link_broken(exc)
             raise self._ended from None
         except KVTimeoutError:
-            raise KVTimeoutError(f"{what}: collective {seq}: no data from {self.left} for {PHASES[phase]} "
-                                 f"step {step} chunk {c} within {self.cfg.timeout:g} s (KVPS_TIMEOUT)") from None
+            raise KVTimeoutError(f"{self._no_data(seq, phase, step, c, what)} within {self.cfg.timeout:g} s "
+                                 f"(KVPS_TIMEOUT)") from None
 
     def _scratch_for(self, count, dtype):
         nbytes = count * dtype.itemsize
