@@ -58,10 +58,19 @@ def host(address, port, peers, nbytes, start, expect, timeout=120.0):
             errors.append(f"accept: {exc}")
 
     def give(peer):
-        try:
-            probe.send(peer, port, nbytes, timeout)
-        except OSError as exc:
-            errors.append(f"send to {peer}: {exc}")
+        refused_until = time.monotonic() + timeout
+        while True:
+            try:
+                probe.send(peer, port, nbytes, timeout)
+                return
+            except ConnectionRefusedError as exc:
+                if time.monotonic() >= refused_until:
+                    errors.append(f"send to {peer}: {exc} for {timeout:g} s")
+                    return
+                time.sleep(0.05)        # the peer's process started late and has not bound its port yet
+            except OSError as exc:
+                errors.append(f"send to {peer}: {exc}")
+                return
 
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
