@@ -44,7 +44,7 @@ from kvps.errors import KVPSError, KVValueError, NodeFailure, ProtocolError, des
 from kvps.wire.membership import Node, advertised_host, parse_name
 from kvps.wire.protocol import (CLOSED, MAX_ROW_IDS, DType, Entry, Header, Op, as_array, dtype_code, error_header,
                                 numpy_dtype, quote)
-from kvps.wire.shm import Mapped, Reader, ShmRefused, Values
+from kvps.wire.shm import MIN_BYTES, Mapped, Reader, ShmRefused, Values
 from kvps.wire.throttle import escape
 from kvps.wire.window import BUSY, NEW, OLD, RECOMPUTE, Window
 
@@ -54,6 +54,7 @@ from kvps.ps.store import Deferred, Store
 from kvps.ps.rules import Registry
 from kvps.wire.membership import SCHEDULER
 from server import handover
+from server.reads import Hold, Reads
 from server.replication import Chain
 
 log = logging.getLogger("kvps.server")
@@ -82,6 +83,9 @@ class Reply:
         self.pull = None                # (worker, codec) when the values go back compressed
         self.versions = {}              # entry index -> its slot's version when it was delivered
         self.squeezed = set()           # entry indices sent compressed (not straight from a value)
+        # the big values this reply was given stay as they are until it is done with them
+        # (server/reads.py); None: the server keeps no value in shared memory
+        self.hold = Hold() if values and server.values is not None else None
         if count == 0:
             self._finish()
 
@@ -100,6 +104,9 @@ class Reply:
                 self.error = self.error or result
             else:
                 self.results[index] = result
+                if self.hold is not None and type(result) is np.ndarray and result.nbytes >= MIN_BYTES:
+                    entry = self.header.keys[index]
+                    self.server.store.reading(entry.key, entry.part, result, self.hold)
                 if self.pull is not None:
                     entry = self.header.keys[index]
                     self.versions[index] = self.server.store.slot(entry.key, entry.part).version
@@ -114,46 +121,56 @@ class Reply:
             server.reply_error(self.routing_id, h, self.error)
         elif not self.values:
             server.answer(self.routing_id, h, Header(Op.ACK, h.id, server.name))
-        else:
-            entries, payloads, shared, placed = [], [], [], []
-            for index, (request_entry, array) in enumerate(zip(h.keys, self.results)):
-                if self.pull is not None:
-                    array = self._squeeze(index, request_entry, array)
-                view = self.into.get(index) if self.into else None
-                if view is not None and index not in self.squeezed and view.nbytes == array.nbytes:
-                    at = server.values.locate(array) if self.reads is not None else None
-                    if at is not None and at[0] < self.reads:
-                        # the worker copies it out of our segment (kvps/wire/shm.py: Values)
-                        entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
-                                             array.shape, 0))
-                        placed.append([index, *at])
-                        continue
-                    np.copyto(view, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        elif self._send_values():
+            return                          # its hold ends when the worker has read the values
+        if self.hold is not None:
+            self.hold.released = True       # sent (zmq's trackers cover what it sends from a value)
+
+    def _send_values(self):
+        """Send the VALUE reply; True when it names values in the server's segments."""
+        server, h = self.server, self.header
+        entries, payloads, shared, placed = [], [], [], []
+        for index, (request_entry, array) in enumerate(zip(h.keys, self.results)):
+            if self.pull is not None:
+                array = self._squeeze(index, request_entry, array)
+            view = self.into.get(index) if self.into else None
+            if view is not None and index not in self.squeezed and view.nbytes == array.nbytes:
+                at = server.values.locate(array) if self.reads is not None else None
+                if at is not None and at[0] < self.reads:
+                    # the worker copies it out of our segment (kvps/wire/shm.py: Values)
                     entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
                                          array.shape, 0))
-                    shared.append(index)
+                    placed.append([index, *at])
                     continue
-                entries.append(Entry.of(request_entry.key, request_entry.part, array))
-                if array.nbytes:
-                    payloads.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-            meta = {"codec": self.pull[1], "delta": self._delta()} if self.pull is not None else {}
-            if shared:
-                meta["shm"] = shared
-            if placed:
-                meta["at"] = placed
-                server.placed_entries += len(placed)
-            if self.reads is not None and server.values.count > self.reads:
-                meta["segments"] = server.values.offers(self.reads)
-            reply = Header(Op.VALUE, h.id, server.name, entries, meta or None)
-            squeezed = self.squeezed
+                np.copyto(view, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+                entries.append(Entry(request_entry.key, request_entry.part, dtype_code(array.dtype),
+                                     array.shape, 0))
+                shared.append(index)
+                continue
+            entries.append(Entry.of(request_entry.key, request_entry.part, array))
+            if array.nbytes:
+                payloads.append(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+        meta = {"codec": self.pull[1], "delta": self._delta()} if self.pull is not None else {}
+        if shared:
+            meta["shm"] = shared
+        if placed:
+            meta["at"] = placed
+            # the worker says (meta done) when it has copied them; until then they stay as they are
+            meta["read"] = server.reads_of(h.src).issue(self.hold)
+            server.placed_entries += len(placed)
+        if self.reads is not None and server.values.count > self.reads:
+            meta["segments"] = server.values.offers(self.reads)
+        reply = Header(Op.VALUE, h.id, server.name, entries, meta or None)
+        squeezed, results = self.squeezed, self.results
 
-            def sent_from_values(tracker):      # only a reply big enough to be sent without a copy has one
-                # the entries whose payload zmq sends straight from a value (not compressed, not in
-                # shared memory): their slots must not change that value until zmq is done with it
-                for i, e in enumerate(h.keys):
-                    if i not in squeezed and entries[i].nbytes:
-                        server.store.sent(e.key, e.part, tracker)
-            server.answer(self.routing_id, h, reply, payloads, on_tracker=sent_from_values)
+        def sent_from_values(tracker):      # only a reply big enough to be sent without a copy has one
+            # the entries whose payload zmq sends straight from a value (not compressed, not in
+            # shared memory): their slots must not change that value until zmq is done with it
+            for i, e in enumerate(h.keys):
+                if i not in squeezed and entries[i].nbytes:
+                    server.store.reading(e.key, e.part, results[i], tracker)
+        server.answer(self.routing_id, h, reply, payloads, on_tracker=sent_from_values)
+        return bool(placed)
 
     def _delta(self):
         """What compressed pulls send (kvps.ps.compression): a round's merged update (dist_sync
@@ -199,10 +216,11 @@ class Server(Node):
         self.window = Window()                  # request ids answered, per worker (resends, duplicates)
         self.shared = {}                        # worker name -> its Mapped shared-memory segments
         self.shared_entries = 0                 # entries whose payload or value went through them
-        # the values of big keys in shared segments that co-located workers read pulls out of, in
-        # the modes where no value changes under a reader (Server._reads); None: private memory
+        # the values of big keys in shared segments that co-located workers read pulls out of
+        # (Server._reads); None: private memory
         self.values = None
         self.placed_entries = 0                 # reply entries read that way
+        self.reading = {}                       # worker name -> server.reads.Reads: which of those it still reads
         if self.telemetry is not None and self.telemetry.metrics is not None:
             self._export(self.telemetry.metrics)
         self.joining = []                       # requests from a worker whose join the scheduler has not told us of
@@ -255,10 +273,13 @@ class Server(Node):
                 self.store.on_round = self.chain.round
             # values in shared segments: co-located workers read pulls out of them, or, with deferred
             # copies, the next server of a chain reads round sums out of them (server/replication.py)
-            if self.cfg.shm and (not self.cfg.replicas or self.store.deferring) and not self.cfg.elastic and \
-                    self.store.consistency.wire() == "sync":
-                self.values = Values()
+            if self.cfg.shm and (not self.cfg.replicas or self.store.deferring):
+                # A plain sync round needs a value and a sum buffer; where a value may change while a
+                # worker still reads it (server/reads.py), a third block takes the update meanwhile.
+                plain = self.store.consistency.wire() == "sync" and not self.cfg.elastic
+                self.values = Values(blocks=2 if plain else 3)
                 self.store.alloc = lambda slot: self.values.alloc(slot.id, slot.dtype, slot.shape)
+                self.store.shared = lambda array: self.values.locate(array) is not None
         except (ProtocolError, ValueError) as exc:
             # Not fatal here: every request is answered with the reason, so the workers fail with a
             # clear message, and the scheduler still ends the job when they leave.
@@ -291,6 +312,7 @@ class Server(Node):
         if self.store is None or role != "worker" or rank >= self.store.num_workers:
             return
         self.window.forget(meta["node"])
+        self._read_nothing_more(meta["node"])
         self.pulls.forget(rank)
         if meta["change"] == "removed":
             self.store.worker_removed(rank)
@@ -302,6 +324,7 @@ class Server(Node):
 
     def on_worker_left(self, node, reason):
         self.shared.pop(node, None)         # its segments go once nothing else maps them
+        self._read_nothing_more(node)
         role, rank = parse_name(node)
         if self.store is not None and role == "worker":
             self.pulls.forget(rank)
@@ -321,8 +344,14 @@ class Server(Node):
             log.error("%s: %s; exiting", self.name, failure)
             self._end(1)
         elif self.store is not None and role == "worker":
+            self._read_nothing_more(node)
             self.pulls.forget(rank)
             self.store.worker_gone(rank, str(failure))
+
+    def _read_nothing_more(self, node):
+        reads = self.reading.pop(node, None)
+        if reads is not None:
+            reads.release_all()
 
     def on_io_death(self, failure):
         log.critical("%s: %s; exiting", self.name, failure)
@@ -451,6 +480,9 @@ class Server(Node):
                     raise NodeFailure(f"{header.op.name} from W{worker}, which is not in the job")
                 self.joining.append((routing_id, header, payloads))
                 return
+            done = header.meta.get("done")
+            if done:                # replies whose values it has copied out of our segments
+                self.reads_of(header.src).done(done)
             client = self._client(header, routing_id)
             state = self.window.admit(client, header.id)
             if state is not NEW:
@@ -505,6 +537,13 @@ class Server(Node):
                                 {k: v for k, v in header.meta.items() if k != "into"})
             return handler(self, routing_id, header, payloads, worker)
         self.van.reply(routing_id, self._for(header, state) if self.chain is not None else state)
+
+    def reads_of(self, name):
+        """The Reads of worker `name` (server/reads.py)."""
+        reads = self.reading.get(name)
+        if reads is None:
+            reads = self.reading[name] = Reads(name)
+        return reads
 
     def _worker(self, src):
         num = self.store.num_workers
@@ -592,17 +631,13 @@ class Server(Node):
         mapped.attach(meta["fd"], meta["segment"], meta["nonce"])
         self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
 
-    def _reads(self, header, worker, into):
+    def _reads(self, header, into):
         """How many of our value segments a co-located worker has mapped (its request's "mapped"),
         when its reply may name values in them instead of copying them into `into` (the request's
-        reply regions); else None.
-
-        Only in dist_sync without backup workers (self.values is None otherwise), where a value
-        changes only when a round closes, which needs every worker's next push of the key; a worker
-        sends none until it has copied what it read (kvps/kvstore/order.py). A worker that has
-        joined (Horovod's join) counts as pushing zeros, so rounds close without it: it gets copies."""
+        reply regions); else None. No value it reads changes until it says it is done with it
+        (server/reads.py)."""
         claim = header.meta.get("mapped")
-        if not into or claim is None or self.values is None or worker in self.store.joined:
+        if not into or claim is None or self.values is None:
             return None
         if claim < 0:
             raise ProtocolError(f"{header.op.name} meta mapped={claim} is negative (segments mapped: 0 or more)")
@@ -637,7 +672,7 @@ class Server(Node):
         self._check_all(entries)
         into = self._shared(header, "into") if then_pull else None
         reply = Reply(self, routing_id, header, len(entries), values=then_pull, into=into,
-                      reads=self._reads(header, worker, into))
+                      reads=self._reads(header, into))
         if then_pull:
             reply.compress(worker, header.meta.get("pull"))
         for i, (e, array) in enumerate(entries):
@@ -750,7 +785,7 @@ class Server(Node):
             self.store.slot(e.key, e.part)
         into = self._shared(header, "into")
         reply = Reply(self, routing_id, header, len(header.keys), values=True, into=into,
-                      reads=self._reads(header, worker, into))
+                      reads=self._reads(header, into))
         reply.compress(worker, header.meta.get("pull"))
         for i, e in enumerate(header.keys):
             self.store.pull(worker, e.key, e.part, reply.callback(i))

@@ -18,10 +18,10 @@ naming its keys, whichever way they went.
 
 A request whose reply may name values in a co-located server's memory (`reads`, kvps/wire/shm.py:
 Reader) is waited for by every later call naming its keys, whichever way that goes: its reply is
-copied out of that memory when it arrives, before its handle completes, and the value it names
-changes only when a round closes, which needs this worker's next push of the key. So no value
-changes while this worker still copies it (in dist_sync without backup workers, where servers
-answer this way).
+copied out of that memory when it arrives, before its handle completes, so the next request naming
+the key tells the server the copy is done (meta `done`, server/reads.py). The server never changes
+a value a worker still copies; in dist_sync this order also means the push that closes the next
+round finds the value free, so the round sums into its spare block instead of new memory.
 """
 from kvps.errors import KVPSError
 from kvps.wire.lane import LaneHandle

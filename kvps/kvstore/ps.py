@@ -41,6 +41,7 @@ def _bytes(array):
 
 SHM_MESSAGES = 4      # a message to a server through shared memory carries 4x KVPS_MESSAGE_BYTES
 LANE_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.ROW_SPARSE_PULL})
+DATA_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL})     # the requests that tell a server which values were read
 _AUTO = object()      # _send: choose the way (lane or I/O thread) there
 
 
@@ -161,7 +162,7 @@ class DistKVStore(KVStore):
             items = [(self._node.server_peer(server), Header(op, keys=entries, meta=dict(meta, home=server)),
                       payloads, on_reply) for server, entries, payloads, meta in messages]
         else:
-            items = [(f"S{server}", Header(op, keys=entries, meta=self._claim(server, meta)), payloads, on_reply)
+            items = [(f"S{server}", Header(op, keys=entries, meta=self._claim(op, server, meta)), payloads, on_reply)
                      for server, entries, payloads, meta in messages]
         # The handle keeps `messages` (their payloads) until it is done, and a kvstore's farewell keeps
         # its unchecked handles: `messages` must then not keep the kvstore alive (its limit may be one
@@ -273,27 +274,33 @@ class DistKVStore(KVStore):
 
     def _reader(self, name):
         """The Reader of server `name`'s value segments, or None: this worker copies no pull out of
-        server memory (not co-located, or a mode where a value may change under a reader: only
-        dist_sync without backup workers, outside elastic jobs, is answered that way)."""
+        server memory (not co-located)."""
         try:
             return self._readers[name]
         except KeyError:
             pass
         reader = None
         server = int(name[1:])
-        if self.consistency.wire() == "sync" and not self.cfg.elastic and self._arena(server) is not None:
+        if self._arena(server) is not None:
             reader = Reader(name, self._node.membership["servers"][server][2])
         self._readers[name] = reader
         return reader
 
-    def _claim(self, server, meta):
+    def _claim(self, op, server, meta):
         """A request's meta, which says how many of the server's value segments this worker has
-        mapped when the reply may name values there instead of writing them into `into`."""
+        mapped when the reply may name values there instead of writing them into `into`, and which
+        replies that named values there it has copied since its last request (server/reads.py)."""
         if "into" in meta:
             reader = self._reader(f"S{server}")
             claim = reader.claim() if reader is not None else None
             if claim is not None:
                 meta["mapped"] = claim
+        else:
+            reader = self._readers.get(f"S{server}")
+        if reader is not None and op in DATA_OPS:
+            done = reader.done()
+            if done:
+                meta["done"] = done
         return meta
 
     def _region(self, server, info, part, direction):
@@ -343,8 +350,9 @@ class DistKVStore(KVStore):
                              part.size * info.dtype.itemsize, into=into)
         return messages
 
-    def _filler(self, items):
-        """on_reply that copies VALUE payloads into the outs of [(KeyInfo, [Out])]."""
+    def _filler(self, items, release=True):
+        """on_reply that copies VALUE payloads into the outs of [(KeyInfo, [Out])]; `release`: then
+        tell the server (through the next request) that values it named in its memory are read."""
         dests = collections.defaultdict(list)
         for info, outs in items:
             for part in info.parts:
@@ -352,10 +360,17 @@ class DistKVStore(KVStore):
                     dests[(info.key, part.index)].append((info, o.array.reshape(-1)[part.start:part.stop]))
 
         def fill(header, payloads):
+            placed, reader = self._placed(header)
+            try:
+                copy(header, payloads, placed, reader)
+            finally:
+                if placed and release:          # the server may change those values now
+                    reader.copied(header.meta["read"])
+
+        def copy(header, payloads, placed, reader):
             frames = iter(payloads)
             shared = header.meta.get("shm", ())
             codec, delta = header.meta.get("codec"), header.meta.get("delta", False)   # compressed pull
-            placed, reader = self._placed(header)
             for index, entry in enumerate(header.keys):
                 frame = next(frames) if entry.nbytes else None
                 if codec is not None and self._squeezed(entry, frame, dests, codec, delta):
@@ -383,6 +398,9 @@ class DistKVStore(KVStore):
         offers, placed = header.meta.get("segments"), header.meta.get("at")
         if not offers and not placed:
             return {}, None
+        if placed and header.meta.get("read") is None:
+            raise ProtocolError(f"a reply from {header.src} names values in its memory without a number for "
+                                f"telling it when they are read (meta read)")
         reader = self._readers.get(header.src)
         if reader is None:
             raise ProtocolError(f"a reply from {header.src} names server memory this worker never asked to read")
@@ -454,7 +472,10 @@ class DistKVStore(KVStore):
             self._forget(keys)
             messages = self._with_values(items, self._codec, shared)
             return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True, priority=priority)
-        stash = Stash() if self._ahead is not None and self._ahead.wants(keys) else None
+        stash = None
+        if self._ahead is not None and self._ahead.wants(keys):
+            # (a handle may outlive this kvstore: what its reply callback holds must not hold the kvstore)
+            stash = Stash(keys, functools.partial(_unread, self._readers))
         op = Op.PUSH if stash is None else Op.PUSHPULL
         # The caller may change its arrays once push returns: their values go into shared memory, or
         # on a lane, which sends (copies) them before push returns, or into private copies that zmq
@@ -537,11 +558,13 @@ class DistKVStore(KVStore):
     def _pulled_ahead(self, items, stashes):
         """A pull served by the replies of the PUSHPULLs its keys' pushes went as."""
         self._check_returned()
-        fill = self._filler(items)
+        fill = self._filler(items, release=False)      # a reply's other keys may be pulled later
+        keys = [i.key for i, _ in items]
         for stash in stashes:
             stash.handle.wait()
             for header, payloads in stash.replies:
                 fill(header, payloads)
+            stash.left(keys)
         for finish in _finishers(items):
             finish()
         return Handle.completed(self._what("pull", [i for i, _ in items]))
@@ -630,6 +653,8 @@ class DistKVStore(KVStore):
         self._pull_codec = pull
         # A pulled-ahead reply may be applied late or never, and a compressed change must be added
         # exactly once, in order: compressed pulls go as pulls.
+        if self._ahead is not None:
+            self._ahead.reset()              # releases what its replies hold in server memory
         self._ahead = PullAhead() if pull is None and self.consistency.wire() == "sync" else None
 
     def barrier(self):
@@ -647,9 +672,8 @@ class DistKVStore(KVStore):
         returns the rank of the last one (the one that trained longest)."""
         self.wait_all()
         if self._ahead is not None:
-            # once joined, rounds close without this worker: a reply kept for a later pull could name
-            # a value in server memory that changes before it is read (kvps/kvstore/order.py)
-            self._ahead = PullAhead()
+            # once joined, this worker pushes nothing, so what it pulls is read as usual
+            self._ahead.reset()
         self._node.request_many([(f"S{s}", Header(Op.JOIN), (), None) for s in self._node.live_servers()],
                                 f"W{self.rank} joining").wait()
         return int(self._node.barrier("workers")[1:])
@@ -758,6 +782,15 @@ class DistKVStore(KVStore):
             super().close()
         finally:
             self._close_arenas()        # after leaving: no request names a segment any more
+
+
+def _unread(readers, header):
+    """A reply whose values in a server's memory (if any) this worker will not copy (any more):
+    `readers` is the kvstore's {server name: shm.Reader or None}."""
+    if header.meta.get("at") and header.meta.get("read") is not None:
+        reader = readers.get(header.src)
+        if reader is not None:
+            reader.copied(header.meta["read"])
 
 
 def _server_address(node, peer):

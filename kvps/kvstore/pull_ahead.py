@@ -12,20 +12,47 @@ without a pull in between stops being pulled ahead.
     ahead.pushed(keys, stash)    # after a push (stash: the PUSHPULL's replies, or None)
     ahead.take(keys)             # at a pull: [Stash] covering every key, or None (pull as usual)
     ahead.drop(keys)             # any other call on these keys
+    ahead.reset()                # forget them all
 """
+
+import threading
 
 MISSES = 2          # pushes without a pull in between after which a key is no longer pulled ahead
 
 
 class Stash:
-    """The replies of one PUSHPULL sent for a push: (header, payloads) pairs, kept as received."""
+    """The replies of one PUSHPULL sent for a push of `keys`: (header, payloads) pairs, kept as
+    received. Once every key has left it (pulled, or dropped: never to be pulled), release(header)
+    is called once for each reply, whenever it comes: a reply may name values in a co-located
+    server's memory, which stay as they are until the worker says it is done with them
+    (server/reads.py)."""
 
-    def __init__(self):
+    def __init__(self, keys=(), release=None):
         self.handle = None
         self.replies = []
+        self._keys = set(keys)
+        self._release = release
+        self._lock = threading.Lock()        # replies come on the I/O thread, keys leave on the caller's
 
     def keep(self, header, payloads):          # on_reply, on the I/O thread
-        self.replies.append((header, payloads))
+        with self._lock:
+            self.replies.append((header, payloads))
+            over = not self._keys
+        if over and self._release is not None:
+            self._release(header)
+
+    def left(self, keys):
+        """These keys were pulled out of this stash (call after copying them) or dropped."""
+        with self._lock:
+            if not self._keys:
+                return
+            self._keys.difference_update(keys)
+            if self._keys:
+                return
+            replies = list(self.replies)
+        if self._release is not None:
+            for header, _ in replies:
+                self._release(header)
 
 
 class PullAhead:
@@ -46,14 +73,16 @@ class PullAhead:
                 if self._misses[k] >= MISSES:
                     self._on.discard(k)
             self._unpulled.add(k)
-            if stash is None:
-                self._stash.pop(k, None)
-            else:
+            old = self._stash.pop(k, None) if stash is None else self._stash.get(k)
+            if stash is not None:
                 self._stash[k] = stash
+            if old is not None:
+                old.left((k,))
 
     def take(self, keys):
         """The stashes holding every key's pushed-and-pulled value, or None when one is missing
-        (then nothing is taken). Either way the pull is recorded."""
+        (then nothing is taken). Either way the pull is recorded. The caller calls left(keys) on
+        each stash taken once it has copied the values."""
         stashes = [self._stash.get(k) for k in keys]
         for k in keys:
             if k in self._unpulled:
@@ -66,7 +95,16 @@ class PullAhead:
             del self._stash[k]
         return list({id(s): s for s in stashes}.values())
 
+    def reset(self):
+        """Forget every key (its stash is dropped) and start over."""
+        self.drop(list(self._stash))
+        self._unpulled.clear()
+        self._on.clear()
+        self._misses.clear()
+
     def drop(self, keys):
         for k in keys:
-            self._stash.pop(k, None)
+            stash = self._stash.pop(k, None)
+            if stash is not None:
+                stash.left((k,))
             self._unpulled.discard(k)

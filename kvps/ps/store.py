@@ -43,6 +43,12 @@ Join (sync mode, Horovod's join): a worker that has run out of data calls
 round closes once every other worker has pushed, and open rounds that this
 completes close at once. When every worker has joined, all count as active again.
 
+Values that replies still read: the server tells the store (`reading(key, part, array, tracker)`)
+when a reply holds a value, until tracker.done (zmq sends straight from it; a co-located worker
+copies it out of the server's segments, server/reads.py). An update of a held value goes to other
+memory with the same arithmetic (`_destination`, `_replace`), and the held memory, if shared
+(`alloc`), is reused once nobody reads it (`_retire`, `_fresh`). Nothing waits for a reader.
+
 Deferred copies (KVPS_REPLICAS=1, sync mode; server/replication.py): on a replica a push may come
 without its values, as a Deferred that holds its place in the round. Such a round, once complete,
 waits (the slot is busy, as while the pool merges) for the sum the head of the chain computed,
@@ -84,7 +90,7 @@ class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
                  "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy",
-                 "awaiting", "merge_sent")
+                 "awaiting", "merge_sent", "retired")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -102,13 +108,14 @@ class Slot:
         self.early = []                  # (worker, array, done) for a later round
         self.pull_waiters = []           # (worker, done, rows)
         self.merge = None                # scratch buffer for the round's sum
-        self.sent = []                   # zmq trackers of replies still reading value
+        self.sent = []                   # what replies still read value: zmq trackers, holds (server/reads.py)
         self.opened = 0.0                # time.time() of the open round's first push (with an observer)
         self.busy = False                # a closed round is being merged on a pool thread (kvps/ps/pool.py),
                                          # or waits for its sum (awaiting)
         # (pending, pushers, acks, members, merge_start) of a closed round with Deferred pushes
         self.awaiting = None
         self.merge_sent = []             # trackers of sends that still read `merge` (a round's sum sent on)
+        self.retired = []                # [array, its sent] of former values in shared memory, reused once read
 
     def name(self):
         key, part = self.id
@@ -186,14 +193,16 @@ class Store:
         # stamps (kvps.metrics.telemetry.Telemetry); None: nothing is timed
         self.observer = None
         # alloc(slot) -> a new array of the slot's dtype and shape, or None for private memory: the
-        # server points it at its shared value segments (kvps.wire.shm.Values); None: numpy's
+        # server points it at its shared value segments (kvps.wire.shm.Values); None: numpy's. And
+        # shared(array): whether alloc gave it (such memory is kept and reused, see _retire)
         self.alloc = None
+        self.shared = None
         # deferred copies (above): set by a replicated server; on_round(slot, sum) after each round
         # closed with dense pushes
         self.deferring = False
         self.on_round = None
         self.stats = {"pushes": 0, "pulls": 0, "rounds": 0, "pooled": 0, "updates": 0, "decoded": 0, "bytes_in": 0,
-                      "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0,
+                      "bytes_out": 0, "joins": 0, "last_joined": -1, "dropped": 0, "ssp_waits": 0, "moved": 0,
                       "staleness": self.clocks.staleness}
 
     # workers that count as pushing zeros (see worker_joined), and those gone (worker -> why)
@@ -462,15 +471,15 @@ class Store:
                 slot.merge = box["merge"]
                 self.stats["updates"] += 1
             return work, apply
-        reuse = not slot.sent or self._settled(slot)       # as _merge: a reply may still be sent from it
-        target = slot.merge if reuse else None
-        slot.sent = []
+        target = self._scratch_for(slot, slot.merge)
+        if target is None:
+            target = self._fresh(slot)      # here: only the I/O thread touches the slot's memory lists
 
         def work():
             box["value"] = self._sum(slot, pending, target)
 
         def apply():
-            slot.merge, slot.value = (slot.value if reuse else None), box["value"]
+            self._replace(slot, box["value"])
         return work, apply
 
     def _merge(self, slot, pending):
@@ -479,14 +488,8 @@ class Store:
         if self.rule is not None:
             slot.merge = self._sum(slot, pending, self._scratch(slot))
             self._apply(slot, slot.merge)
-        elif not slot.sent or self._settled(slot):
-            # The round's sum replaces the value; the old value is next round's scratch buffer.
-            slot.merge, slot.value = slot.value, self._sum(slot, pending, slot.merge)
-            slot.sent = []
         else:
-            # A reply is still being sent from the old value: leave it to zmq, sum into fresh memory.
-            slot.merge, slot.value = None, self._sum(slot, pending, None)
-            slot.sent = []
+            self._replace(slot, self._sum(slot, pending, self._scratch_for(slot, slot.merge)))
 
     def _merge_rows(self, slot, pending):
         """A round with row-sparse pushes: the rule on the touched rows, or the sum of the rows
@@ -499,9 +502,18 @@ class Store:
             slot.merge = self._sum(slot, dense, self._scratch(slot))
             self._apply(slot, slot.merge)
             return
-        settled = not slot.sent or self._settled(slot)       # as _merge: the old value may still be sending
-        new = self._sum(slot, dense, slot.merge if settled else None)
-        slot.merge, slot.value, slot.sent = (slot.value if settled else None), new, []
+        self._replace(slot, self._sum(slot, dense, self._scratch_for(slot, slot.merge)))
+
+    def _replace(self, slot, new):
+        """A round's sum becomes the value. The old value is the next round's sum buffer, unless a
+        reply may still read it (zmq sends from it, a worker copies out of it): then it is kept
+        aside until they are done (_retire), and the next round sums into other memory."""
+        if not slot.sent or self._settled(slot):
+            slot.merge, slot.value, slot.sent = slot.value, new, []
+        else:
+            self.stats["moved"] += 1
+            self._retire(slot)
+            slot.merge, slot.value = None, new
 
     @staticmethod
     def _scratch(slot):
@@ -510,9 +522,50 @@ class Store:
         return slot.merge if all(t.done for t in sent) else None
 
     def _fresh(self, slot):
-        """New memory for a slot's value or round sum: shared (see `alloc`) where it can be."""
+        """New memory for a slot's value or round sum: a former value that no reply reads any more,
+        else shared memory (see `alloc`) where it can be had, else private memory."""
+        spare = self._reusable(slot)
+        if spare is not None:
+            return spare
         array = self.alloc(slot) if self.alloc is not None else None
         return np.empty(slot.shape, slot.dtype) if array is None else array
+
+    @staticmethod
+    def _reusable(slot):
+        """A retired value (shared memory) that no reply reads any more, taken off the list; or None."""
+        for i, (array, readers) in enumerate(slot.retired):
+            if all(t.done for t in readers):
+                del slot.retired[i]
+                return array
+        return None
+
+    def _retire(self, slot):
+        """slot.value is about to be replaced while replies may still read it (slot.sent). Shared
+        memory is kept aside with them and reused once they are done; private memory is dropped
+        (zmq keeps alive what it still sends)."""
+        if self.shared is not None and slot.value is not None and self.shared(slot.value):
+            slot.retired.append([slot.value, slot.sent])
+        slot.sent = []
+
+    def _scratch_for(self, slot, buffer):
+        """Where to compute a new value: `buffer` (memory no reply reads, or None for new memory),
+        unless it is private and a retired shared block is free again. So a value that had to move
+        to private memory, while every shared block of its key was being read, moves back."""
+        if slot.retired and (buffer is None or not self.shared(buffer)):
+            spare = self._reusable(slot)
+            if spare is not None:
+                return spare
+        return buffer
+
+    def _destination(self, slot):
+        """Where the value's next in-place update should go instead: None (in place), or other
+        memory (the value moves there, see _retire) while a reply reads the value, or to move a
+        private value back into a freed shared block."""
+        if slot.sent and not self._settled(slot):
+            self.stats["moved"] += 1
+            return self._fresh(slot)
+        slot.sent = []
+        return self._scratch_for(slot, slot.value) if slot.retired else None
 
     def _sum(self, slot, arrays, target):
         if target is None or target.shape != slot.shape:
@@ -531,20 +584,27 @@ class Store:
         return target
 
     def _apply(self, slot, grad):
-        """Apply one (summed) push to the value in place."""
-        self._own(slot)
-        if type(grad) is Rows:
-            if self.rule is not None:
-                self.rule.update_rows(slot.id, slot.value, grad.ids, grad.values)
-                self.stats["updates"] += 1
-            else:
-                slot.value[grad.ids] += grad.values
-            return
-        if self.rule is not None:
+        """Apply one (summed) push to the value (in place, unless a reply reads it: _destination)."""
+        if type(grad) is Rows or self.rule is not None:
+            self._own(slot)
+            if type(grad) is Rows:
+                if self.rule is not None:
+                    self.rule.update_rows(slot.id, slot.value, grad.ids, grad.values)
+                    self.stats["updates"] += 1
+                else:
+                    slot.value[grad.ids] += grad.values
+                return
             self._update(slot, grad)
             self.stats["updates"] += 1
-        else:
+            return
+        new = self._destination(slot)
+        if new is None or new is slot.value:
             kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))
+        else:
+            # value + grad into the new memory: the bits of the sum in place, in one pass
+            kernels.sum_sources(new.reshape(-1), [slot.value.reshape(-1), grad.reshape(-1)])
+            self._retire(slot)
+            slot.value = new
 
     def _update(self, slot, grad):
         """The rule on the value in place (any thread: see _merge_job)."""
@@ -596,7 +656,7 @@ class Store:
         """A reply is being sent straight from this slot's value; do not change it until done."""
         slot = self.slots.get((key, part))
         if slot is not None:
-            slot.sent.append(tracker)
+            self.reading(key, part, slot.value, tracker)
 
     def forwarding(self, slot, tracker):
         """The sum on_round gave is being sent without a copy: keep it as it is until tracker.done."""
@@ -606,14 +666,29 @@ class Store:
         return all(t.done for t in slot.sent)
 
     def _own(self, slot):
-        """Make slot.value safe to change in place without waiting: while zmq still sends a reply
-        from it (a peer may never read), the value moves to a copy and zmq keeps the old buffer,
-        which its reply holds alive. The update then runs on the same numbers, so results are
-        bit-identical; the I/O thread never blocks on a peer."""
-        if slot.sent:
-            if not self._settled(slot):
-                slot.value = slot.value.copy()
-            slot.sent = []
+        """Make slot.value safe to change in place without waiting: while a reply still reads it
+        (zmq sends from it, and a peer may never read; a worker copies out of it), the value moves
+        to a copy and the old memory is left to the readers (_retire). The update then runs on the
+        same numbers, so results are bit-identical; the I/O thread never blocks on a peer."""
+        new = self._destination(slot)
+        if new is not None and new is not slot.value:
+            np.copyto(new, slot.value)
+            self._retire(slot)
+            slot.value = new
+
+    def reading(self, key, part, array, tracker):
+        """A reply reads `array`, which was this slot's value when it was delivered: it changes
+        neither in place nor (as a retired block) by reuse until tracker.done."""
+        slot = self.slots.get((key, part))
+        if slot is None:
+            return
+        if array is slot.value:
+            slot.sent.append(tracker)
+            return
+        for block in slot.retired:
+            if block[0] is array:
+                block[1].append(tracker)
+                return
 
     # ---- membership ----
     def worker_joined(self, worker):
@@ -763,7 +838,10 @@ class Store:
         that saved had other workers or another mode) every worker starts level at the saved version."""
         self.quiesce()
         if value is not None:
-            slot.value, slot.merge, slot.sent = value, None, []
+            self._retire(slot)
+            if slot.merge is not None and self.shared is not None and self.shared(slot.merge):
+                slot.retired.append([slot.merge, []])
+            slot.value, slot.merge = value, None
         if counters is not None:
             slot.version = int(counters["version"])
             if same_clocks:

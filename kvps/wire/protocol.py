@@ -207,6 +207,10 @@ _MAPPED = Field(INT, "how many of the server's value segments this worker has ma
                      "and none may be offered): the reply may name values in segments 0 .. mapped - 1 "
                      "instead of writing them into `into`", required=False)
 
+_DONE = Field(ListOf(INT), "the numbers (VALUE meta read) of replies whose values this worker has copied out of "
+                          "the server's value segments since its last request: the server may change them now "
+                          "(server/reads.py)", required=False)
+
 # Chain replication (KVPS_REPLICAS; server/replication.py): which key range a data request is for,
 # and whether it is a copy an upstream server of that range's chain forwarded.
 _HOME = Field(INT, "the home rank of the entries' key range (KVPS_REPLICAS: it picks the chain)", required=False)
@@ -305,12 +309,12 @@ SCHEMA = {
     Op.INIT: Message("worker -> server", "declare keys: rank 0's entries carry the initial values, the other "
                                          "ranks' the shapes only; answered with ACK", dict(_REPLICATED)),
     Op.PUSH: Message("worker -> server", "add the entries' payloads into their keys; answered with ACK",
-                     {"codec": _CODEC, "shm": _SHM_IN, "deferred": _DEFERRED, **_REPLICATED}),
+                     {"codec": _CODEC, "shm": _SHM_IN, "done": _DONE, "deferred": _DEFERRED, **_REPLICATED}),
     Op.PULL: Message("worker -> server", "read keys (entries without payloads); answered with VALUE",
-                     {"into": _SHM_INTO, "mapped": _MAPPED, "pull": _PULL, "home": _HOME}),
+                     {"into": _SHM_INTO, "mapped": _MAPPED, "done": _DONE, "pull": _PULL, "home": _HOME}),
     Op.PUSHPULL: Message("worker -> server", "PUSH, then PULL of the same entries; answered with VALUE",
-                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "mapped": _MAPPED, "pull": _PULL,
-                          "deferred": _DEFERRED, **_REPLICATED}),
+                         {"codec": _CODEC, "shm": _SHM_IN, "into": _SHM_INTO, "mapped": _MAPPED, "done": _DONE,
+                          "pull": _PULL, "deferred": _DEFERRED, **_REPLICATED}),
     Op.ROW_SPARSE_PULL: Message("worker -> server", "read some rows: each entry's payload holds int64 row ids "
                                                     "local to its part; answered with VALUE", {"home": _HOME}),
     Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
@@ -325,6 +329,9 @@ SCHEMA = {
         "at": Field(ListOf(Tuple((INT, INT, INT))), "[entry, segment, offset]: the entries whose values the worker "
                                                     "copies straight out of the server's value segment (one it "
                                                     "said it has mapped)", required=False),
+        "read": Field(INT, "with `at`: this reply's number among those naming values in the server's segments to "
+                           "this worker (1, 2, ...); the values stay as they are until a later request of the "
+                           "worker lists it in `done`", required=False),
         "segments": Field(ListOf(Tuple((INT, INT, BYTES))), "[segment, fd, nonce]: the server's value segments "
                                                            "from the request's `mapped` on, for the worker to map "
                                                            "read-only (through /proc/<pid>/fd/<fd>, checking the "
@@ -404,6 +411,8 @@ SCHEMA = {
                         required=False),
         "placed": Field(INT, "reply entries that co-located workers copied straight out of the server's value "
                              "segments (kvps/wire/shm.py)", required=False),
+        "moved": Field(INT, "values changed in other memory because a reply still read them (server/reads.py)",
+                       required=False),
         "forwarded": Field(INT, "requests forwarded to the next server of a key range's chain (KVPS_REPLICAS)",
                            required=False),
         "round_sums": Field(INT, "round sums sent to the next server of a chain (ROUND; one replica, sync)",

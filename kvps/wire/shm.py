@@ -21,8 +21,9 @@ The other way, a server keeps the values of its big keys in segments of its own 
 co-located worker maps them read-only (Reader) and copies a pulled value straight out of them:
 the server copies nothing into the worker's reply region. Its replies offer each new segment
 (descriptor and nonce), the worker maps it with the same checks, and its later requests say how
-many it has mapped. Why no value changes under a reader is kvps/kvstore/order.py's rule, in the
-modes where the server answers this way (dist_sync without backup workers).
+many it has mapped. No value changes under a reader: the reply carries a number, the worker's
+later requests list the numbers of the replies it has copied, and until then the server puts
+updates of those values into other memory (server/reads.py).
 
     arena = Arena("S0", attach)          # worker side; attach(segment) sends ATTACH and waits
     region = arena.region(("w", 0, "push"), nbytes)    # or None: no room / shm refused
@@ -31,7 +32,7 @@ modes where the server answers this way (dist_sync without backup workers).
     view = mapped.view(segment, offset, nbytes)
 
     values = Values()                    # server side: where its big values live
-    array = values.alloc(("w", 0), dtype, shape)        # or None: small, or the key has its two
+    array = values.alloc(("w", 0), dtype, shape)        # or None: small, or the key has its blocks
     segment, offset = values.locate(array)               # or None: not in a segment
     reader = Reader("S0", pid)           # worker side, one per co-located server
     reader.offered(values.offers(reader.claim()))        # maps the new segments read-only
@@ -247,13 +248,15 @@ class Values:
     """A server's segments holding the values of its big keys, which co-located workers map
     read-only and copy pulls out of (server side).
 
-    Each key gets at most BLOCKS blocks, handed out once and never moved: the store sums a round
-    into one while the other holds the value, then swaps them. A key whose value must move to
-    fresh memory (a TCP reply still sends from the old one) gets private memory from then on, and
-    its replies go the copying way."""
+    Each key gets at most `blocks` blocks, handed out once and never moved: in dist_sync the store
+    sums a round into one while the other holds the value, then swaps them. A value that must
+    change while a reply still reads it moves to another block, and the store reuses the old one
+    once nobody reads it (kvps/ps/store.py: _retire, server/reads.py). With every block of a key
+    in use the value goes to private memory for a while, and its replies go the copying way."""
 
-    def __init__(self, segment_bytes=SEGMENT_BYTES):
+    def __init__(self, segment_bytes=SEGMENT_BYTES, blocks=BLOCKS):
         self._segment_bytes = segment_bytes
+        self._blocks = blocks
         self._segments = []              # Segment
         self._starts = []                # each segment's address in this process
         self._given = {}                 # owner -> blocks handed out
@@ -266,14 +269,14 @@ class Values:
 
     def alloc(self, owner, dtype, shape):
         """A new array of `dtype` and `shape` in a segment, for `owner` (a slot id), or None: too
-        small to share, `owner` has its BLOCKS blocks already, or no segment can be made."""
+        small to share, `owner` has its blocks already, or no segment can be made."""
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
         nbytes = count * dtype.itemsize
         if nbytes < MIN_BYTES:
             return None
         with self._lock:
-            if self.refused is not None or self._given.get(owner, 0) >= BLOCKS:
+            if self.refused is not None or self._given.get(owner, 0) >= self._blocks:
                 return None
             place = self._take(nbytes)
             if place is None:
@@ -327,9 +330,23 @@ class Reader:
         self._lock = threading.Lock()    # replies are read on the I/O thread and, pulled ahead, the caller's
         self.count = 0                   # segments 0 .. count - 1 are mapped
         self.refused = None
+        self._read = []                  # numbers of replies copied out, not yet told (meta done)
 
     def claim(self):
         return None if self.refused is not None else self.count
+
+    def copied(self, number):
+        """The values of reply `number` (its meta read) are copied out: the server may change them."""
+        with self._lock:
+            self._read.append(number)
+
+    def done(self):
+        """The numbers to tell the server (a request's meta done), once each; [] if none."""
+        if not self._read:
+            return []
+        with self._lock:
+            read, self._read = self._read, []
+        return read
 
     def offered(self, offers):
         """Map the segments a reply offers ([[segment, fd, nonce]], numbered on from 0)."""

@@ -1,7 +1,7 @@
 """Shared memory between co-located workers and servers (kvps/wire/shm.py), with real processes:
 the same results as TCP in every call pattern (split keys over 2 servers included), pushes that
-return early still send what was pushed, pulls read straight out of the server's memory where
-(and only where) no value can change under the reader, KVPS_SHM=0 and another host address keep to TCP, a killed
+return early still send what was pushed, pulls read straight out of the server's memory in every
+mode and never see a value change under them, KVPS_SHM=0 and another host address keep to TCP, a killed
 job leaves nothing behind, and a server refuses segments it must not map and keeps serving.
 
 `KVPS_SHM=0 ./run test -m cluster` runs the whole cluster tier over TCP; on loopback it runs over
@@ -96,7 +96,7 @@ def test_a_worker_on_another_address_keeps_to_tcp(tmp_path):
 # Pulls read straight out of the server's value segments: in dist_sync with a server optimizer
 # (each round updates the value in place), with calls that return at once and a next push issued
 # before the last pull is in (kvps/kvstore/order.py makes it wait for that pull's copy); in
-# dist_async the servers copy every reply, since a value changes on any worker's push.
+# dist_async too, where a value changes on any worker's push (server/reads.py).
 PIPELINED = r'''
 import json, os, numpy as np, kvps
 kv = kvps.create(os.environ["MODE"])
@@ -126,7 +126,7 @@ kv.close()
 
 
 @pytest.mark.parametrize("mode,shm", [("dist_sync", "1"), ("dist_sync", "0"), ("dist_async", "1")])
-def test_pulls_read_out_of_server_memory_only_where_no_value_changes_under_a_reader(tmp_path, mode, shm):
+def test_pulls_read_out_of_server_memory_over_shared_memory_only(tmp_path, mode, shm):
     with Cluster(tmp_path, workers=2, servers=2, env={"MODE": mode, "KVPS_SHM": shm}) as c:
         results = [res for (res,) in c.run_workers(PIPELINED, timeout=120)]
         assert c.wait_daemons() == [0, 0, 0]
@@ -141,7 +141,55 @@ def test_pulls_read_out_of_server_memory_only_where_no_value_changes_under_a_rea
             # round t closes, though push t + 1 is in already). Never a mix of two rounds.
             assert res["outs"] == [[-0.5 * total * (t + 1)] * 2 for t in range(6)], res
     placed = results[0]["placed"]
-    assert (placed > 0) if (mode, shm) == ("dist_sync", "1") else (placed == 0), results
+    assert (placed > 0) if shm == "1" else (placed == 0), results
+
+
+# Where a value changes while workers read it (async, ssp, backup workers; a server optimizer or
+# plain sums), each worker pushes and pulls one key (one part, on one server) as fast as it can. A
+# pull read while the server changed its memory would mix two values: every pulled array must hold
+# one value, and no update may be lost.
+RACE = r'''
+import json, os, numpy as np, kvps
+kv = kvps.create(os.environ["MODE"])
+r, n, steps = kv.rank, kv.num_workers, int(os.environ["STEPS"])
+shape = (1 << 18,)                              # 1 MB: kept in the server's value segments
+kv.init("w", np.zeros(shape, np.float32))
+if os.environ.get("LR"):
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=float(os.environ["LR"])))
+grad, out = np.ones(shape, np.float32), np.empty(shape, np.float32)
+mixed = []
+for step in range(steps):
+    kv.push("w", grad)
+    kv.pull("w", out=out)
+    if out.min() != out.max():
+        mixed.append([step, float(out.min()), float(out.max())])
+if kv.type.startswith("dist_sync"):
+    kv.join()                   # the others' last rounds close without the workers that are done
+else:
+    kv.barrier()
+kv.pull("w", out=out)
+stats = kv.server_stats()
+print(json.dumps({"rank": r, "mixed": mixed[:5], "final": [float(out.min()), float(out.max())],
+                  "placed": sum(s.get("placed", 0) for s in stats.values()),
+                  "moved": sum(s.get("moved", 0) for s in stats.values())}), flush=True)
+kv.close()
+'''
+
+
+@pytest.mark.parametrize("mode,lr", [("dist_async", ""), ("dist_async", "0.5"), ("dist_ssp:1", ""),
+                                     ("dist_sync:backup=1", "")])
+def test_no_pull_sees_a_value_change_under_it(tmp_path, mode, lr):
+    steps = 150
+    with Cluster(tmp_path, workers=3, servers=1, env={"MODE": mode, "LR": lr, "STEPS": str(steps), **SHM_ON}) as c:
+        results = [res for (res,) in c.run_workers(RACE, timeout=180)]
+        assert c.wait_daemons() == [0, 0]
+    for res in results:
+        assert res["mixed"] == [], res
+        lo, hi = res["final"]
+        assert lo == hi, res
+        if mode != "dist_sync:backup=1":            # backup workers drop stale pushes
+            assert lo == (-0.5 if lr else 1.0) * 3 * steps, res
+    assert results[0]["placed"] > 0, results        # the pulls were read in the server's memory
 
 
 HOLD = r'''
@@ -214,6 +262,12 @@ try:   # a pull that says it has mapped a negative number of the server's value 
     h.wait(10); r["negative"] = "accepted"
 except Exception as exc:
     r["negative"] = type(exc).__name__ + ": " + str(exc)
+try:   # a pull that says it has read a reply it was never given
+    h = node.request("S0", Header(Op.PULL, keys=[["w", 0, 0, [1 << 16], 0]], meta={"done": [10 ** 6]}),
+                     "claims a read")
+    h.wait(10); r["never_given"] = "accepted"
+except Exception as exc:
+    r["never_given"] = type(exc).__name__ + ": " + str(exc)
 kv.pushpull("w", np.full(1 << 16, 3.0, np.float32), out=out)
 r["again"] = float(out.mean())
 r["shared"] = sum(s.get("shared", 0) for s in kv.server_stats().values())
@@ -232,4 +286,5 @@ def test_a_server_refuses_segments_it_must_not_map(tmp_path):
     assert "attached" in res["unattached"], res
     assert "outside segment 0" in res["outside"], res
     assert "mapped=-1 is negative" in res["negative"], res
+    assert "says it has read reply 1000000" in res["never_given"], res
     assert res["after"] == 2.0 and res["again"] == 3.0 and res["shared"] > 0, res

@@ -77,8 +77,8 @@ def test_the_servers_stats_fit_the_schema():
 
 
 @pytest.mark.parametrize("op,meta,message", [
-    (Op.PUSH, {"x": 1}, "PUSH meta has an unknown field 'x' (PUSH takes codec, shm, deferred, home, chain)"),
-    (Op.PULL, {"codec": None}, "PULL meta has an unknown field 'codec' (PULL takes into, mapped, pull, home)"),
+    (Op.PUSH, {"x": 1}, "PUSH meta has an unknown field 'x' (PUSH takes codec, shm, done, deferred, home, chain)"),
+    (Op.PULL, {"codec": None}, "PULL meta has an unknown field 'codec' (PULL takes into, mapped, done, pull, home)"),
     (Op.VALUE, {"shm": [0, "1"]}, "VALUE meta field 'shm' is [0, '1'], expected list of int"),
     (Op.PUSH, {"shm": [[0, 1]]}, "PUSH meta field 'shm' is [[0, 1]], expected list of [int, int, int]"),
     (Op.PUSH, {7: 1}, "PUSH meta has an unknown field 7"),
