@@ -385,6 +385,35 @@ def test_replicated_ps_runs_right_after_the_ps_without_replicas():
             emsync.check_replicas(replicas, systems, combos)
 
 
+def test_geo_rows_run_after_the_ps_they_are_divided_by():
+    S = emsync.Setup
+    todo = emsync.setups(["ps", "geo", "gloo"], [(2, 1, False)], k_steps=(1, 4))
+    assert todo == [S("ps", 2, 1, False), S("geo", 2, 1, False, 0, 1), S("geo", 2, 1, False, 0, 4),
+                    S("gloo", 2, 0, False)]
+    assert [emsync.kvtype(s) for s in todo] == ["dist_sync", "dist_geo:1", "dist_geo:4", "allreduce"]
+    assert emsync.baseline_of(S("geo", 2, 1, False, 0, 4)) == S("ps", 2, 1, False)
+    assert emsync.label(S("geo", 2, 1, False, 0, 4)) == "kvps GEO K=4"
+    emsync.check_k_steps((1, 4), ["geo"])
+    for k_steps, systems, match in (((0, 4), ["geo"], "at least 1"), ((2,), ["ps"], "must include geo")):
+        with pytest.raises(ConfigError, match=match):
+            emsync.check_k_steps(k_steps, systems)
+
+
+def test_geo_rows_take_the_ps_bound_over_k_and_show_the_servers_bytes():
+    S = emsync.Setup
+    ps, geo = S("ps", 2, 1, False), S("geo", 2, 1, False, 0, 4)
+    results = {ps: {"rows": {"push+pull": {"ms": 1800}, "pushpull": {"ms": 1700, "server_bytes": 4 * M}},
+                    "error": None},
+               geo: {"rows": {"pushpull": {"ms": 450, "server_bytes": M}}, "error": None}}
+    body = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in emsync.table(results, M, B)[2:]}
+    assert body["kvps GEO K=4 pushpull"] == ["2", "1", "dedicated", "450", "409", "1.10", "0.26"]   # 1636 / 4
+    traffic = emsync.traffic_table(results)
+    rows = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in traffic[2:]}
+    assert rows == {"kvps PS pushpull": ["2", "1", "dedicated", f"{4 * M / 1e6:.1f}", "1.000"],
+                    "kvps GEO K=4 pushpull": ["2", "1", "dedicated", f"{M / 1e6:.1f}", "0.250"]}
+    assert emsync.traffic_table({ps: results[ps]}) == []
+
+
 def test_make_plan():
     plan, what, nbytes = emsync.make_plan("resnet50", 3)
     assert (len(plan["resnet"]["shapes"]), nbytes, plan["resnet"]["steps"]) == (161, M, 3)
@@ -460,10 +489,20 @@ def test_cli_sync_usage_errors_come_before_namespaces(monkeypatch, capsys):
 
 
 # ---- `kvps emulate sync` end to end (namespaces) ----
-def _sync_table(out):
-    """{setup label: [W, S, servers, measured, bound, measured/bound, / baseline]} from the printed table."""
-    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    return {r[0]: r[1:] for r in rows[1:]}
+def _sync_table(out, which=0):
+    """{setup label: [W, S, servers, measured, bound, measured/bound, / baseline]} from the printed table
+    (which=1: the second table, GEO's bytes per step)."""
+    tables, current = [], None
+    for line in out.splitlines():
+        if line.startswith("|"):
+            if current is None:
+                current = []
+                tables.append(current)
+            if "---" not in line:
+                current.append(line.strip("| ").split(" | "))
+        else:
+            current = None
+    return {r[0]: r[1:] for r in tables[which][1:]}
 
 
 def test_sync_compares_gloo_ring_and_ps(no_leaks, capfd):
@@ -497,6 +536,20 @@ def test_sync_runs_the_ps_with_replicas_beside_the_ps_without(no_leaks, capfd):
         row = table[f"kvps PS R=1 {mode}"]
         assert float(row[5]) > 0.9, out                # nothing beats the bound, copies included
         assert float(row[6]) == pytest.approx(float(row[3]) / float(table[f"kvps PS {mode}"][3]), abs=0.01), out
+
+
+def test_sync_runs_geo_beside_the_ps_and_measures_its_bytes(no_leaks, capfd):
+    """GEO-SGD with K = 4 moves a quarter of the PS's bytes per step, measured at the servers."""
+    code = main(["sync", "-n", "2", "-s", "1", "--systems", "ps,geo", "--k-steps", "4", "--workload", "4MB",
+                 "--steps", "1", "--rate", "200mbit", "--timeout", "90"])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    table = _sync_table(out)
+    assert table["kvps GEO K=4 pushpull"][4] == "84", out           # the PS's 336 ms bound over K
+    assert float(table["kvps GEO K=4 pushpull"][3]) < float(table["kvps PS pushpull"][3]), out
+    traffic = _sync_table(out, which=1)
+    assert float(traffic["kvps PS pushpull"][3]) == pytest.approx(4 * 4 * 2 ** 20 / 1e6, rel=0.01), out
+    assert float(traffic["kvps GEO K=4 pushpull"][4]) == pytest.approx(0.25, abs=0.01), out
 
 
 @pytest.mark.skipif(not os.path.exists(MXNET_PY), reason=f"no MXNet at {MXNET_PY}")

@@ -20,10 +20,11 @@ class KVPSPeer:
     with whole lists."""
     name = "kvps"
 
-    def __init__(self, kvtype, modes=None):
+    def __init__(self, kvtype, modes=None, calls=1):
         self.kv = kvps.create(kvtype)
         self.rank = self.kv.rank
         self.modes = tuple(modes or workloads.KVPS_MODES)
+        self.calls = calls               # pushpull calls per timed step (a GEO job's K: one of them syncs)
 
     @staticmethod
     def zeros(shape):
@@ -42,6 +43,11 @@ class KVPSPeer:
     def step(self, mode, keys, grads, outs):
         kv = self.kv
         if mode == "pushpull":
+            if self.calls > 1:
+                def calls():
+                    for _ in range(self.calls):
+                        kv.pushpull(keys, grads, out=outs)
+                return calls
             return lambda: kv.pushpull(keys, grads, out=outs)
         if mode == "list":
             def push_list_then_pull_list():
@@ -59,6 +65,10 @@ class KVPSPeer:
                 kv.pull(key, out=out, priority=-i)
         return mxnet_loops
 
+    def traffic(self):
+        """Payload bytes every server has received and sent so far (plan "traffic")."""
+        return sum(s.get("bytes_in", 0) + s.get("bytes_out", 0) for s in self.kv.server_stats().values())
+
     def close(self):
         self.kv.close()
 
@@ -68,7 +78,7 @@ def main(argv):
         print(f"usage: {argv[0]} PLAN.json", file=sys.stderr)
         return 2
     plan = workloads.load_plan(argv[1])
-    peer = KVPSPeer(plan["kvtype"], plan.get("modes"))
+    peer = KVPSPeer(plan["kvtype"], plan.get("modes"), plan.get("calls", 1))
     if plan.get("compression"):         # kvps emulate sync --compression
         peer.kv.set_gradient_compression(plan["compression"])
     workloads.run(plan, peer)

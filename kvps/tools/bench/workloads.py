@@ -104,18 +104,25 @@ def load_plan(path):
         return json.load(f)
 
 
-def timed(step, warmup, reps, barrier):
+def timed(step, warmup, reps, barrier, traffic=None):
     """Seconds of each of `reps` calls of step(), after `warmup` untimed calls and a barrier
-    (so every worker starts the timed rounds together)."""
+    (so every worker starts the timed rounds together). With `traffic` (a function giving a byte
+    count so far): (times, the bytes it counted over the timed calls of every worker)."""
     for _ in range(warmup):
         step()
     barrier()
+    if traffic is not None:
+        before = traffic()
+        barrier()                   # nobody's timed calls start before every worker has counted
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return times
+    if traffic is None:
+        return times
+    barrier()                       # every worker's timed calls are in
+    return times, traffic() - before
 
 
 def summary(times, nbytes):
@@ -149,7 +156,13 @@ def run(plan, peer, out=None):
         nbytes = 4 * sum(math.prod(s) for s in shapes)
         peer.init(keys, [peer.zeros(s) for s in shapes])
         grads, outs = [peer.ones(s) for s in shapes], [peer.zeros(s) for s in shapes]
+        traffic = getattr(peer, "traffic", None) if plan.get("traffic") else None
         for mode in peer.modes:
-            times = timed(peer.step(mode, keys, grads, outs), resnet["warmup"], resnet["steps"], peer.barrier)
-            emit(workload="resnet50", mode=mode, bytes=nbytes, tensors=len(shapes), **summary(times, nbytes))
+            extra = {"calls": plan["calls"]} if plan.get("calls") else {}
+            times = timed(peer.step(mode, keys, grads, outs), resnet["warmup"], resnet["steps"], peer.barrier,
+                          traffic)
+            if traffic is not None:     # the servers' bytes in and out per timed step, every worker's
+                times, moved = times
+                extra["server_bytes"] = moved / resnet["steps"]
+            emit(workload="resnet50", mode=mode, bytes=nbytes, tensors=len(shapes), **summary(times, nbytes), **extra)
     peer.barrier()

@@ -3,7 +3,8 @@
     kvps emulate -n 4 -s 1 [--colocated] [--rate 1gbit] [--delay-ms 0] -- python train.py
     kvps emulate check [--rate 1gbit] [--mb 125]
     kvps emulate sync -n 4 -s 1,4 --placement dedicated,colocated [--workload resnet50] [--steps 3]
-                      [--systems ps,ring,gloo,mxnet] [--mxnet ~/mxvenv/bin/python] [--replicas R]
+                      [--systems ps,geo,ring,gloo,mxnet] [--mxnet ~/mxvenv/bin/python] [--replicas R]
+                      [--k-steps 1,4,16]
     kvps emulate theory -n 2,4,8 -s 1,4 --placement dedicated,colocated [--mb 102.2] [--rate 1gbit] [--replicas R]
 
 Exit codes: 0 success; a worker's own non-zero code; 1 a failed job, check or benchmark;
@@ -128,9 +129,11 @@ def sync_parser(prog="kvps emulate sync"):
                    help='kvps PS rows: gradient compression as kv.set_gradient_compression takes it, in JSON, '
                         'e.g. \'{"type": "fp16", "pull": true}\' (pull: compress what comes back too)')
     p.add_argument("--systems", type=_systems, default=None,
-                   help="comma-separated, from ps (kvps dist_sync), ring (kvps all-reduce), gloo (torch.distributed "
-                        "all-reduce), mxnet (MXNet dist_sync; needs --mxnet) (default ps,ring,gloo and mxnet "
-                        "when --mxnet is given)")
+                   help="comma-separated, from ps (kvps dist_sync), geo (kvps dist_geo:K, for each K of --k-steps), "
+                        "ring (kvps all-reduce), gloo (torch.distributed all-reduce), mxnet (MXNet dist_sync; needs "
+                        "--mxnet) (default ps,ring,gloo and mxnet when --mxnet is given)")
+    p.add_argument("--k-steps", type=_ints, default=None, metavar="K",
+                   help="geo rows: GEO-SGD's K, e.g. 1,4,16: a sync every K steps (default 4)")
     p.add_argument("--mxnet", metavar="PYTHON", default=None,
                    help="a Python with mxnet 1.9.1 (e.g. ~/mxvenv/bin/python): also run MXNet dist_sync")
     p.add_argument("--timeout", type=float, default=JOB_TIMEOUT, help="seconds each job may run (default 600)")

@@ -4,12 +4,17 @@ gloo all-reduce and MXNet 1.9.1 dist_sync, on the same emulated hosts, each besi
     kvps emulate sync -n 4 -s 1,4 --placement dedicated --workload resnet50 --steps 3 --mxnet ~/mxvenv/bin/python
     kvps emulate sync -n 2 --systems ring,gloo --workload 64MB
     kvps emulate sync -n 2 -s 2 --systems ps --replicas 1        # chain replication's cost beside R=0
+    kvps emulate sync -n 2 --systems ps,geo --k-steps 1,4,16     # GEO-SGD's step beside the PS's
 
 Systems (--systems, default ps,ring,gloo and mxnet when --mxnet PYTHON is given):
 
     ps      kvps dist_sync, both ways a step can go: push+pull (every push, then every pull, as MXNet
             does) and pushpull (one call); every W, S and placement asked for. With --replicas R,
             each also with KVPS_REPLICAS=R (chain replication) right after it, divided by it
+    geo     kvps dist_geo:K (GEO-SGD, kvps/kvstore/geo.py) for each K of --k-steps (default 4), not
+            by default: pushpull on each of K steps in a row, one of which syncs (the other K - 1
+            travel nothing), reported per step; its baseline is the PS's pushpull, and a second
+            table gives the bytes the servers moved per step, measured against the PS's
     mxnet   MXNet dist_sync push+pull, the same W, S and placement (baselines.py)
     ring    kvps's 'allreduce' kvstore (no servers), both ways; every W
     gloo    torch.distributed gloo all-reduce in DDP-style 25 MB buckets; every W
@@ -40,17 +45,23 @@ from kvps.tools.emulate.network import Network, show_rate
 from kvps.tools.emulate.theory import theory
 from kvps.tools.progress import Progress
 
-SYSTEMS = ("ps", "mxnet", "ring", "gloo")          # also the run order within one W (see setups())
-LABELS = {"ps": "kvps PS", "mxnet": "MXNet dist_sync", "ring": "kvps ring", "gloo": "gloo all-reduce"}
-MODES = {"ps": ("push+pull", "pushpull"), "mxnet": ("push+pull",), "ring": ("pushpull", "push+pull"),
-         "gloo": ("allreduce",)}
-BASELINE = {"ps": "mxnet", "ring": "gloo"}         # what each kvps system's rows are divided by
+SYSTEMS = ("ps", "geo", "mxnet", "ring", "gloo")   # also the run order within one W (see setups())
+LABELS = {"ps": "kvps PS", "geo": "kvps GEO", "mxnet": "MXNet dist_sync", "ring": "kvps ring",
+          "gloo": "gloo all-reduce"}
+MODES = {"ps": ("push+pull", "pushpull"), "geo": ("pushpull",), "mxnet": ("push+pull",),
+         "ring": ("pushpull", "push+pull"), "gloo": ("allreduce",)}
+BASELINE = {"ps": "mxnet", "geo": "ps", "ring": "gloo"}    # what each kvps system's rows are divided by
 KVTYPE = {"ps": "dist_sync", "mxnet": "dist_sync", "ring": "allreduce", "gloo": "allreduce"}
 MXNET_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "mxnet_worker.py")
 
-Setup = collections.namedtuple("Setup", "system workers servers colocated replicas", defaults=(0,))
+Setup = collections.namedtuple("Setup", "system workers servers colocated replicas k_steps", defaults=(0, 0))
 Setup.__doc__ = ("One job: a system on W workers with S servers (0 for ring and gloo), dedicated or co-located; "
-                 "replicas: KVPS_REPLICAS of a kvps PS job (0: none).")
+                 "replicas: KVPS_REPLICAS of a kvps PS job (0: none); k_steps: K of a GEO job.")
+
+
+def kvtype(setup):
+    """The kvstore a setup's workers create."""
+    return f"dist_geo:{setup.k_steps}" if setup.system == "geo" else KVTYPE[setup.system]
 
 
 def parse_systems(text):
@@ -96,16 +107,18 @@ def shapes(workers, servers, placements):
     return out, notes
 
 
-def setups(systems, combos, replicas=0):
+def setups(systems, combos, replicas=0, k_steps=(4,)):
     """Every job, in run order: per W, each (S, placement) with MXNet before kvps's PS, and kvps's
-    PS with `replicas` right after the PS without (where S > replicas), then gloo before kvps's ring
-    (each baseline next to what is divided by it)."""
+    PS with `replicas` right after the PS without (where S > replicas), then GEO for each K, then
+    gloo before kvps's ring (each baseline next to what is divided by it)."""
     out = []
     for W in sorted({W for W, _, _ in combos}):
         for _, S, colocated in (c for c in combos if c[0] == W):
             out += [Setup(s, W, S, colocated) for s in ("mxnet", "ps") if s in systems]
             if replicas and "ps" in systems and S > replicas:
                 out.append(Setup("ps", W, S, colocated, replicas))
+            if "geo" in systems:
+                out += [Setup("geo", W, S, colocated, 0, K) for K in k_steps]
         out += [Setup(s, W, 0, False) for s in ("gloo", "ring") if s in systems]
     return out
 
@@ -125,6 +138,14 @@ def check_replicas(replicas, systems, combos):
         raise ConfigError(f"--replicas {replicas} needs more than {replicas} servers: give -s {replicas + 1} or more")
     return [f"(left out: kvps PS R={replicas} with {S} server{'s' if S != 1 else ''}: a chain needs "
             f"{replicas + 1})" for S in short]
+
+
+def check_k_steps(k_steps, systems):
+    """Raises ConfigError for a K below 1, or --k-steps without geo rows."""
+    if any(K < 1 for K in k_steps):
+        raise ConfigError(f"--k-steps {','.join(map(str, k_steps))}: every K must be at least 1")
+    if "geo" not in systems and tuple(k_steps) != (4,):
+        raise ConfigError("--k-steps sets the GEO rows' K: --systems must include geo")
 
 
 def make_plan(workload, steps):
@@ -159,6 +180,8 @@ def _placement(setup):
 def bound(setup, M, rate):
     """Seconds per step at the bandwidth bound for this setup (theory.py; with its replicas' copies)."""
     t = theory(M, rate, setup.workers, max(setup.servers, 1), setup.colocated, setup.replicas)
+    if setup.system == "geo":
+        return t.ps / setup.k_steps         # one PS step's bytes every K steps
     return t.ps if setup.servers else t.ring
 
 
@@ -168,12 +191,13 @@ def baseline_of(setup):
     if setup.replicas:
         return setup._replace(replicas=0)
     other = BASELINE.get(setup.system)
-    return other and setup._replace(system=other)
+    return other and setup._replace(system=other, k_steps=0)
 
 
 def label(setup):
-    """The setup's name in the table: "kvps PS", "kvps PS R=1", "gloo all-reduce"."""
-    return LABELS[setup.system] + (f" R={setup.replicas}" if setup.replicas else "")
+    """The setup's name in the table: "kvps PS", "kvps PS R=1", "kvps GEO K=4", "gloo all-reduce"."""
+    return LABELS[setup.system] + (f" R={setup.replicas}" if setup.replicas else "") + \
+        (f" K={setup.k_steps}" if setup.k_steps else "")
 
 
 def table(results, M, rate):
@@ -198,6 +222,27 @@ def table(results, M, rate):
             ratio = f"{t / b:.2f}" if t is not None and b else "-"
             vs = f"{t / base_ms:.2f}" if t is not None and base_ms else "-"
             lines.append(f"| {name} | {setup.workers} | {S} | {servers} | {measured} | {b:.0f} | {ratio} | {vs} |")
+    return lines
+
+
+def traffic_table(results):
+    """Lines of a table of the bytes the servers moved per step (in and out, every worker's), for
+    the GEO rows and the PS pushpull rows they are divided by; [] without GEO rows."""
+    def per_step(setup, mode):
+        row = results.get(setup, {}).get("rows", {}).get(mode)
+        return row.get("server_bytes") if row else None
+
+    geo = [s for s in results if s.system == "geo"]
+    if not geo:
+        return []
+    lines = ["| setup | W | S | servers | server MB per step | / kvps PS pushpull |", "|---|--:|--:|---|--:|--:|"]
+    for setup in [s for s in results if s.system == "ps" and not s.replicas] + geo:
+        S, servers = _placement(setup)
+        mine = per_step(setup, "pushpull")
+        base = per_step(baseline_of(setup), "pushpull") if setup.system == "geo" else mine
+        shown = f"{mine / 1e6:.1f}" if mine is not None else "-"
+        ratio = f"{mine / base:.3f}" if mine is not None and base else "-"
+        lines.append(f"| {label(setup)} pushpull | {setup.workers} | {S} | {servers} | {shown} | {ratio} |")
     return lines
 
 
@@ -234,7 +279,7 @@ class OtherLoad:
 def _job(setup, net, args, plan_path, out):
     W, S, colocated = setup.workers, setup.servers, setup.colocated
     call_timeout = max(30.0, args.timeout / 2)      # a call that hangs fails inside the job, before its deadline
-    if setup.system in ("ps", "ring"):
+    if setup.system in ("ps", "geo", "ring"):
         env = {"KVPS_TIMEOUT": f"{call_timeout:g}"}
         if setup.replicas:
             env["KVPS_REPLICAS"] = str(setup.replicas)
@@ -262,6 +307,11 @@ def run_setup(setup, args, plan_path):
     if any(codes) or any(m not in rows for m in MODES[setup.system]):
         raise NodeFailure(f"worker exit codes {codes}, results for {sorted(rows) or 'no mode'}; its output:\n"
                           + lines.text()[-6000:])
+    for row in rows.values():
+        calls = row.get("calls", 1)         # a GEO job times K steps at a time: per step
+        row["ms"] /= calls
+        if row.get("server_bytes") is not None:
+            row["server_bytes"] /= calls
     return rows
 
 
@@ -286,12 +336,14 @@ class Benchmark:
         self.systems, self.notes = choose_systems(args.systems, args.mxnet, gloo_why)
         self.replicas = getattr(args, "replicas", 0)
         self.notes += check_replicas(self.replicas, self.systems, combos)
+        self.k_steps = tuple(getattr(args, "k_steps", None) or (4,))
+        check_k_steps(self.k_steps, self.systems)
         if "mxnet" in self.systems:
             from kvps.tools.bench.mxnet_job import check_python
             problem = check_python(args.mxnet)
             if problem:
                 raise ConfigError(f"--mxnet {args.mxnet} cannot import mxnet: {problem.strip()[-300:]}")
-        self.todo = setups(self.systems, combos, self.replicas)
+        self.todo = setups(self.systems, combos, self.replicas, self.k_steps)
 
     def run(self, rate):
         """Run every setup and print the table; returns the exit status: 0, 1 when a job failed, 124
@@ -307,16 +359,21 @@ class Benchmark:
         results, timed_out = {}, False
         with tempfile.TemporaryDirectory(prefix="kvps-emulate-") as tmp:
             plans = {}
-            for kvtype in sorted({KVTYPE[s.system] for s in self.todo}):
-                plans[kvtype] = os.path.join(tmp, f"plan-{kvtype}.json")
-                with open(plans[kvtype], "w") as f:
-                    extra = {"compression": self.compression} if self.compression and kvtype == "dist_sync" else {}
-                    json.dump(dict(self.plan, kvtype=kvtype, **extra), f)
+            for kind in sorted({kvtype(s) for s in self.todo}):
+                plans[kind] = os.path.join(tmp, f"plan-{kind.replace(':', '-')}.json")
+                with open(plans[kind], "w") as f:
+                    extra = {"compression": self.compression} if self.compression and kind == "dist_sync" else {}
+                    if "geo" in self.systems and kind.startswith("dist_"):
+                        # the servers' bytes per step (GEO against the PS); GEO times K steps at a time
+                        extra["traffic"] = True
+                        if kind.startswith("dist_geo"):
+                            extra.update(modes=["pushpull"], calls=int(kind.split(":")[1]))
+                    json.dump(dict(self.plan, kvtype=kind, **extra), f)
             with Progress(len(self.todo), "jobs") as progress:     # a bar with an ETA on a terminal
                 for setup in self.todo:
                     start = time.monotonic()
                     try:
-                        rows = run_setup(setup, args, plans[KVTYPE[setup.system]])
+                        rows = run_setup(setup, args, plans[kvtype(setup)])
                     except (NodeFailure, KVTimeoutError) as exc:
                         timed_out |= isinstance(exc, KVTimeoutError)
                         results[setup] = {"rows": {}, "error": str(exc)}
@@ -332,9 +389,14 @@ class Benchmark:
         replicated = ("; kvps PS R=N rows: kvps PS without replicas, same W, S, placement and mode"
                       if self.replicas else "")
         print("\n" + "\n".join(table(results, self.M, rate)))
+        traffic = traffic_table(results)
+        if traffic:
+            print("\n" + "\n".join(traffic))
         print(f"\nmeasured: median step; bound: the busiest link direction at full rate (docs/emulate.md); "
               f"/ baseline: measured / the baseline's, measured in the same run (kvps PS rows: MXNet dist_sync at the "
-              f"same W, S and placement; kvps ring rows: gloo at the same W{replicated}), below 1 is faster. "
+              f"same W, S and placement; kvps ring rows: gloo at the same W{replicated}"
+              f"{'; kvps GEO rows: kvps PS pushpull, their bound the PS bound / K' if 'geo' in self.systems else ''}), "
+              f"below 1 is faster. "
               f"Load average {load:.2f} at the start; other processes used "
               f"{'an unknown share' if share is None else f'{share:.0%}'} of the CPUs while it ran.", flush=True)
         if any(r["error"] for r in results.values()):
