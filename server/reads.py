@@ -7,9 +7,9 @@ the value was delivered. Sent inline or copied into the worker's reply region, t
 the reply has gone; zmq's own tracker then covers a payload it sends straight from the value.
 Naming values in the server's segments (`at`), it ends when the worker says it has copied them:
 the reply carries a number (meta `read`), and a later request of that worker lists the numbers it
-is done with (meta `done`). Until then an update of the value goes to other memory (Store._own),
-and the held block is reused only after (Store._spare): a reader never sees a value change, and
-nothing waits for a reader.
+is done with (meta `done`). Until then an update of the value goes to other memory
+(Store._destination), and the held block is reused only after (Store._reusable): a reader never
+sees a value change, and nothing waits for a reader.
 
     reads = Reads("W0")
     hold = Hold()                      # taken by a reply, passed to Store.reading for each value
@@ -22,16 +22,11 @@ MAX_DONE = 4096         # numbers one request may list: more means a peer misbeh
 
 
 class Hold:
-    """One reply's claim on the values it delivered. `done` once released and zmq has sent it."""
-    __slots__ = ("released", "tracker")
+    """One reply's claim on the values it delivered, until `done` (a tracker, as zmq's are)."""
+    __slots__ = ("done",)
 
     def __init__(self):
-        self.released = False
-        self.tracker = None              # zmq's, when the reply's payloads are sent from the values
-
-    @property
-    def done(self):
-        return self.released and (self.tracker is None or self.tracker.done)
+        self.done = False
 
 
 class Reads:
@@ -56,7 +51,7 @@ class Reads:
         for number in numbers:
             hold = self.open.pop(number, None)
             if hold is not None:
-                hold.released = True
+                hold.done = True
             elif not 0 < number <= self.issued:
                 raise ProtocolError(f"{self.worker} says it has read reply {number}; it was given replies "
                                     f"1 .. {self.issued}")
@@ -64,5 +59,5 @@ class Reads:
     def release_all(self):
         """The worker left or died: it reads nothing more."""
         for hold in self.open.values():
-            hold.released = True
+            hold.done = True
         self.open.clear()

@@ -124,7 +124,7 @@ class Reply:
         elif self._send_values():
             return                          # its hold ends when the worker has read the values
         if self.hold is not None:
-            self.hold.released = True       # sent (zmq's trackers cover what it sends from a value)
+            self.hold.done = True           # sent (zmq's trackers cover what it sends from a value)
 
     def _send_values(self):
         """Send the VALUE reply; True when it names values in the server's segments."""

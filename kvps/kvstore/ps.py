@@ -364,8 +364,8 @@ class DistKVStore(KVStore):
             try:
                 copy(header, payloads, placed, reader)
             finally:
-                if placed and release:          # the server may change those values now
-                    reader.copied(header.meta["read"])
+                if release:                     # the server may change those values now
+                    _unread(self._readers, header)
 
         def copy(header, payloads, placed, reader):
             frames = iter(payloads)

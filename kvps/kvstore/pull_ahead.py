@@ -73,7 +73,7 @@ class PullAhead:
                 if self._misses[k] >= MISSES:
                     self._on.discard(k)
             self._unpulled.add(k)
-            old = self._stash.pop(k, None) if stash is None else self._stash.get(k)
+            old = self._stash.pop(k, None)
             if stash is not None:
                 self._stash[k] = stash
             if old is not None:

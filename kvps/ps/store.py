@@ -585,26 +585,26 @@ class Store:
 
     def _apply(self, slot, grad):
         """Apply one (summed) push to the value (in place, unless a reply reads it: _destination)."""
-        if type(grad) is Rows or self.rule is not None:
-            self._own(slot)
-            if type(grad) is Rows:
-                if self.rule is not None:
-                    self.rule.update_rows(slot.id, slot.value, grad.ids, grad.values)
-                    self.stats["updates"] += 1
-                else:
-                    slot.value[grad.ids] += grad.values
-                return
-            self._update(slot, grad)
-            self.stats["updates"] += 1
+        if type(grad) is not Rows and self.rule is None:
+            new = self._destination(slot)
+            if new is None or new is slot.value:
+                kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))
+            else:
+                # value + grad into the new memory: the bits of the sum in place, in one pass
+                kernels.sum_sources(new.reshape(-1), [slot.value.reshape(-1), grad.reshape(-1)])
+                self._retire(slot)
+                slot.value = new
             return
-        new = self._destination(slot)
-        if new is None or new is slot.value:
-            kernels.sum_into(slot.value.reshape(-1), grad.reshape(-1))
-        else:
-            # value + grad into the new memory: the bits of the sum in place, in one pass
-            kernels.sum_sources(new.reshape(-1), [slot.value.reshape(-1), grad.reshape(-1)])
-            self._retire(slot)
-            slot.value = new
+        self._own(slot)
+        if type(grad) is Rows:
+            if self.rule is not None:
+                self.rule.update_rows(slot.id, slot.value, grad.ids, grad.values)
+                self.stats["updates"] += 1
+            else:
+                slot.value[grad.ids] += grad.values
+            return
+        self._update(slot, grad)
+        self.stats["updates"] += 1
 
     def _update(self, slot, grad):
         """The rule on the value in place (any thread: see _merge_job)."""

@@ -63,7 +63,7 @@ def test_an_async_update_of_a_held_value_goes_elsewhere_and_the_held_memory_wait
     value = store.slot("w", 0).value
     assert value is not held and np.array_equal(held, before)        # the reader's value did not change
     assert values.locate(value) is not None and store.stats["moved"] == 1
-    hold.released = True                        # the worker copied it: the block may be reused
+    hold.done = True                        # the worker copied it: the block may be reused
     hold2 = Hold()
     _pull(store, 1, hold2)
     store.push(0, "w", 0, np.ones(N, np.float32), _ok)
@@ -85,7 +85,7 @@ def test_updates_that_moved_give_the_bits_of_updates_in_place(dtype, rule):
             _pull(held, 1, holds[-1])
         if i % 4 == 3:                           # and some readers finish
             for h in holds[:-1]:
-                h.released = True
+                h.done = True
         held.push(i % 2, "w", 0, g, _ok)
     assert held.stats["moved"] > 0
     assert plain.slot("w", 0).value.tobytes() == held.slot("w", 0).value.tobytes()
@@ -100,7 +100,7 @@ def test_a_key_whose_blocks_are_all_held_goes_to_private_memory_and_comes_back()
         store.push(0, "w", 0, np.ones(N, np.float32), _ok)
     assert values.locate(store.slot("w", 0).value) is None
     for h in holds:
-        h.released = True
+        h.done = True
     store.push(0, "w", 0, np.ones(N, np.float32), _ok)
     assert values.locate(store.slot("w", 0).value) is not None        # back where workers can read it
     expected = np.linspace(-1, 1, N).astype(np.float32)
@@ -120,7 +120,7 @@ def test_a_sync_round_never_sums_into_a_held_value():
         store.push(0, "w", 0, np.full(N, 10.0, np.float32), _ok)     # the next round closes
         store.push(1, "w", 0, np.full(N, 20.0, np.float32), _ok)
         assert np.array_equal(held, before) and np.all(store.slot("w", 0).value == 30.0)
-        hold.released = True
+        hold.done = True
     assert store.stats["moved"] == 3
 
 
@@ -131,7 +131,7 @@ def test_a_zmq_send_from_a_retired_block_keeps_it_from_reuse():
     store.push(0, "w", 0, np.ones(N, np.float32), _ok)                # held: the value moved
     tracker = Sent()
     store.reading("w", 0, held, tracker)         # the reply went over TCP, zmq sends from the old block
-    hold.released = True
+    hold.done = True
     for _ in range(3):
         h = Hold()
         _pull(store, 1, h)
@@ -161,9 +161,8 @@ def test_a_worker_says_which_replies_it_has_read():
     reads.release_all()                          # it left
     assert all(h.done for h in holds)
     hold = Hold()
-    hold.released, hold.tracker = True, Sent()
-    assert not hold.done                         # zmq still sends it
-    hold.tracker.done = True
+    assert not hold.done                         # a new hold keeps its values until released
+    reads.done([reads.issue(hold)])
     assert hold.done
 
 

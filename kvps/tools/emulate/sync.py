@@ -359,15 +359,19 @@ class Benchmark:
         results, timed_out = {}, False
         with tempfile.TemporaryDirectory(prefix="kvps-emulate-") as tmp:
             plans = {}
-            for kind in sorted({kvtype(s) for s in self.todo}):
+            for setup in self.todo:
+                kind = kvtype(setup)
+                if kind in plans:
+                    continue
                 plans[kind] = os.path.join(tmp, f"plan-{kind.replace(':', '-')}.json")
+                extra = {"compression": self.compression} if self.compression and kind == "dist_sync" else {}
+                if "geo" in self.systems and kind.startswith("dist_"):
+                    # the servers' bytes per step, GEO against the PS (a plan MXNet's job shares: it
+                    # has no servers of ours to ask, and skips it)
+                    extra["traffic"] = True
+                if setup.system == "geo":           # K steps at a time, one of which syncs
+                    extra.update(modes=["pushpull"], calls=setup.k_steps)
                 with open(plans[kind], "w") as f:
-                    extra = {"compression": self.compression} if self.compression and kind == "dist_sync" else {}
-                    if "geo" in self.systems and kind.startswith("dist_"):
-                        # the servers' bytes per step (GEO against the PS); GEO times K steps at a time
-                        extra["traffic"] = True
-                        if kind.startswith("dist_geo"):
-                            extra.update(modes=["pushpull"], calls=int(kind.split(":")[1]))
                     json.dump(dict(self.plan, kvtype=kind, **extra), f)
             with Progress(len(self.todo), "jobs") as progress:     # a bar with an ETA on a terminal
                 for setup in self.todo:
