@@ -124,6 +124,10 @@ class Lane:
         # A lane whose thread has ended and whose handles are gone closes its sockets as it is collected
         # (nobody can use them then); the node's stop closes the others (Van.adopt).
         self._finalizer = weakref.finalize(self, _close_sockets, self._socks)
+        # Not at interpreter exit: a kvstore never closed (MXNet scripts) finishes its calls then, in
+        # its own finalizer, which runs after this younger one; it still reads replies on this lane.
+        # The node's stop closes the sockets after it (Van.adopt).
+        self._finalizer.atexit = False
 
     def busy(self):
         """Whether requests on this lane still wait for replies."""

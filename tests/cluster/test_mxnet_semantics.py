@@ -301,3 +301,33 @@ def test_mxnet_names_and_forms(cluster):
         assert line["per_out"] == [[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]], line
         assert "whole numbers" in line["bad"] and "1.5" in line["bad"], line
     assert c.wait_daemons() == [0, 0]
+
+
+UNEVEN = r'''
+import numpy as np, kvps
+def main():
+    kv = kvps.create("dist_sync:backup=1")
+    shapes = [(256, 1024), (1000,), (512, 512), (10,)]      # big ones on the I/O thread, small on lanes
+    for i, s in enumerate(shapes):
+        kv.init(i, np.zeros(s, np.float32))
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    ws = [np.zeros(s, np.float32) for s in shapes]
+    for step in range(50):                      # the same steps, but a round closes without the slowest
+        for i, s in enumerate(shapes):
+            kv.push(i, np.ones(s, np.float32), priority=-i)
+        for i in range(len(shapes)):
+            kv.pull(i, out=ws[i], priority=-i)
+main()                                          # never closed, no join: the last rounds cannot close
+'''
+
+
+def test_calls_of_a_kvstore_never_closed_fail_with_the_jobs_reason_at_exit(tmp_path):
+    """With backup workers the fastest worker ends first, and without join() the others' last rounds
+    can never close: their pending pushes fail naming that, also those still waiting on a lane
+    when the script ends (its sockets stay open until the kvstore's farewell has read them: no 'Bad
+    file descriptor', no bare 'S0')."""
+    proc, elapsed = _launch(tmp_path, UNEVEN, n=3, s=1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "can never close" in out, out
+    assert "Bad file descriptor" not in out and "failed: 'S0'" not in out, out
+    assert elapsed < 45, (elapsed, out)
