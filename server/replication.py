@@ -47,13 +47,15 @@ import numpy as np
 from kvps.wire import chains
 from server import handover
 from kvps.wire.membership import node_name
-from kvps.wire.protocol import Entry, Header, Op, dtype_code
+from kvps.errors import ProtocolError
+from kvps.wire.protocol import Entry, Header, Op, dtype_code, quote
+from kvps.wire.shm import LINK_META, ShmRefused, inlined
 
 log = logging.getLogger("kvps.server")
 
 FORWARDED = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.LOAD})
 DEFERRED = frozenset({Op.PUSH, Op.PUSHPULL})        # copied without values where the chain defers
-LOCAL_META = ("shm", "into", "pull")    # about the worker's link to this server: not for the next one
+LOCAL_META = (*LINK_META, "pull")       # about the worker's link to this server: not for the next one
 
 
 @dataclasses.dataclass
@@ -80,14 +82,14 @@ class Sending:
 
 
 @dataclasses.dataclass
-class SharedSum:
-    """A round's sum that the next server reads in our value segments, until it answers."""
-    peer: str
+class RoundSum:
+    """A round's sum on its way to the next server of its slot's chain."""
     slot: object                # kvps.ps.store.Slot
-    total: object               # the array, in a segment
-    sending: Sending
+    total: object               # the array
+    sending: Sending            # released once the next server no longer reads `total`
     home: int
     version: int
+    at: tuple = None            # (segment, offset) of `total` in our value segments; None: it goes inline
 
 
 class Held:
@@ -115,6 +117,7 @@ class Chain:
         self.num_servers = len(server.membership["servers"])
         self.dead = set(server.membership.get("dead", ()))
         self.joined = list(server.membership.get("joined", ()))      # kvps/wire/chains.py
+        self._successors = {}               # home rank -> successor(home), until the servers change
         self.pending = {}                   # (worker name, request id) -> Forward
         self.connected = set()
         self.forwarded = 0                  # copies sent (for server_stats)
@@ -127,17 +130,25 @@ class Chain:
         # test only: the server so named never sends a round sum, so its replicas' rounds wait for
         # the workers' values once it is killed (tests/cluster/test_replication.py)
         self.hold_sums = os.environ.get("KVPS_TEST_HOLD_ROUNDS")
-        # the round sums of the request being handled, sent after its copy (Server._replicated): the
-        # copy of a round's last push must reach the next server before the round's sum
+        # the round sums of the request being handled, sent after its copy (Server._replicated), in one
+        # ROUND per next server: the copy of a round's last push must reach it before the round's sum
         self.handling = None
-        # ROUND id -> SharedSum; the value segments offered to each peer; peers that cannot read them
+        # ROUND id -> (peer, [Sum] it reads in our segments); the value segments offered to each peer;
+        # peers that cannot read them
         self.sums = {}
         self.offered = {}
         self.inline = set()
         self._sum_id = 0
 
     def successor(self, home):
-        return chains.successor(home, self.server.rank, self.num_servers, self.replicas, self.dead, self.joined)
+        """The server this one forwards home rank `home`'s updates to, or None (remembered until
+        the servers change: it is asked once a round of each key)."""
+        try:
+            return self._successors[home]
+        except KeyError:
+            nxt = self._successors[home] = chains.successor(home, self.server.rank, self.num_servers,
+                                                            self.replicas, self.dead, self.joined)
+            return nxt
 
     def begin(self, header, payloads):
         """The Forward for a request this server is about to handle, or None (no copy needed)."""
@@ -147,17 +158,30 @@ class Chain:
         nxt = self.successor(home)
         if nxt is None:
             return None
-        meta = {k: v for k, v in header.meta.items() if k not in LOCAL_META}
-        meta["chain"] = True
-        keys, payloads = header.keys, list(payloads)
         if self.defer and header.op in DEFERRED:
-            meta.pop("codec", None)
+            meta = {k: v for k, v in header.meta.items() if k not in LOCAL_META and k != "codec"}
             meta["deferred"] = True
-            keys, payloads = [Entry(e.key, e.part, e.dtype, e.shape, 0) for e in keys], []
-        copy = Header(header.op, header.id, header.src, keys, meta)
+            copy = Header(header.op, header.id, header.src, [Entry(*e[:4], 0) for e in header.keys], meta)
+            payloads = []
+        else:       # the values a co-located worker put in shared memory go inline
+            copy, payloads = inlined(header, payloads, self._worker_memory(header), LOCAL_META)
+        copy.meta["chain"] = True
         fwd = Forward(home, node_name("server", nxt), copy, payloads)
         self.pending[(header.src, header.id)] = fwd
         return fwd
+
+    def _worker_memory(self, header):
+        """view(segment, offset, nbytes) of the memory that the sender of `header` shares with us."""
+        mapped = self.server.shared.get(header.src)
+
+        def view(segment, offset, nbytes):
+            try:
+                if mapped is None:
+                    raise ShmRefused("it never attached any")
+                return mapped.view(segment, offset, nbytes)
+            except ShmRefused as exc:
+                raise ProtocolError(f"{header.op.name} from {quote(header.src)} names shared memory: {exc}") from None
+        return view
 
     def handle(self, fwd, handler):
         """Run handler() for a request whose copy is `fwd` (or None), then send the copy, then the
@@ -173,8 +197,11 @@ class Chain:
             sums, self.handling = self.handling, None
         if fwd is not None:
             self.send(fwd)
-        for peer, header, payloads, done in sums:
-            self.server.van.send(peer, header, payloads, on_sent=done)
+        batches = {}
+        for peer, rsum in sums:
+            batches.setdefault((peer, rsum.home), []).append(rsum)
+        for (peer, _), batch in batches.items():
+            self._send_sums(peer, batch)
 
     def round(self, slot, total):
         """A round of `slot` closed here with `total` as its sum: send it to the next server of the
@@ -191,28 +218,43 @@ class Chain:
         sending = Sending()
         self.server.store.forwarding(slot, sending)
         self.rounds += 1
-        at = self._shared(peer, total)
-        if at is None:
-            header, payloads = _inline(self.server.name, slot.id, total, home, slot.version)
-            done = sending.release
+        rsum = RoundSum(slot, total, sending, home, slot.version, self._shared(peer, total))
+        if self.handling is not None:
+            self.handling.append((peer, rsum))
         else:
-            self._sum_id += 1
+            self._send_sums(peer, [rsum])
+
+    def _send_sums(self, peer, sums):
+        """One ROUND to `peer` with the sums [Sum] of one home rank: those in our value segments
+        named by place (the peer answers once it has copied them out), the others as payloads."""
+        keys, payloads, places, inline = [], [], [], []
+        for index, rsum in enumerate(sums):
+            key, part = rsum.slot.id
+            if rsum.at is None:
+                keys.append(Entry.of(key, part, rsum.total))
+                if rsum.total.nbytes:
+                    payloads.append(memoryview(np.ascontiguousarray(rsum.total).reshape(-1).view(np.uint8)))
+                inline.append(rsum)
+            else:
+                keys.append(Entry(key, part, dtype_code(rsum.total.dtype), rsum.total.shape, 0))
+                places.append([index, *rsum.at])
+        meta = {"home": sums[0].home, "rounds": [rsum.version for rsum in sums]}
+        sum_id = 0
+        if places:
+            self._sum_id = sum_id = self._sum_id + 1
+            meta["at"] = places
             values = self.server.values
-            meta = {"home": home, "round": slot.version, "at": list(at)}
             offers = values.offers(self.offered.get(peer, 0))
             if offers:
                 meta["segments"] = offers
                 self.offered[peer] = values.count
-            key, part = slot.id
-            header = Header(Op.ROUND, self._sum_id, self.server.name,
-                            [Entry(key, part, dtype_code(total.dtype), total.shape, 0)], meta)
-            payloads, done = [], None
-            self.sums[self._sum_id] = SharedSum(peer, slot, total, sending, home, slot.version)
-            self.rounds_shared += 1
-        if self.handling is not None:
-            self.handling.append((peer, header, payloads, done))
-        else:
-            self.server.van.send(peer, header, payloads, on_sent=done)
+            self.sums[sum_id] = (peer, [rsum for rsum in sums if rsum.at is not None])
+            self.rounds_shared += len(places)
+        def sent():             # zmq let go of the payloads
+            for rsum in inline:
+                rsum.sending.release()
+        self.server.van.send(peer, Header(Op.ROUND, sum_id, self.server.name, keys, meta), payloads,
+                             on_sent=sent if inline else None)
 
     def _shared(self, peer, total):
         """(segment, offset) of a round's sum for a next server on this host that reads our value
@@ -226,20 +268,22 @@ class Chain:
 
     def sum_read(self, peer, reply):
         """The next server's answer to a ROUND it read in our segments: the memory is ours again; or
-        it could not read it (meta inline): send that sum, and every later one, inline."""
-        shared = self.sums.get(reply.id)
-        if shared is None or shared.peer != peer:
+        it could not read them (meta inline): send those sums, and every later one, inline."""
+        found = self.sums.get(reply.id)
+        if found is None or found[0] != peer:
             return
         del self.sums[reply.id]
         if reply.op == Op.ACK and not reply.meta.get("inline"):
-            shared.sending.release()
+            for rsum in found[1]:
+                rsum.sending.release()
             return
         if peer not in self.inline:
             self.inline.add(peer)
             log.warning("%s: %s cannot read round sums in shared memory; they go inline from now on",
                         self.server.name, peer)
-        header, payloads = _inline(self.server.name, shared.slot.id, shared.total, shared.home, shared.version)
-        self.server.van.send(peer, header, payloads, on_sent=shared.sending.release)
+        for rsum in found[1]:
+            rsum.at = None     # (a sum it did read is not applied twice: its round is closed there)
+        self._send_sums(peer, found[1])
 
     def cancel(self, fwd):
         """The handler refused the request: no copy goes, and its ERROR is sent at once."""
@@ -301,12 +345,14 @@ class Chain:
         homes = chains.homes_of(self.server.rank, self.num_servers, self.replicas)
         before = {home: self.successor(home) for home in homes}
         self.dead, self.joined = set(meta["dead"]), list(meta.get("joined", ()))
+        self._successors = {}
         if "servers" in meta:
             self.server.membership = dict(self.server.membership, servers=meta["servers"])
-        for sum_id, shared in list(self.sums.items()):
-            if int(shared.peer[1:]) in self.dead:   # it will never read that memory: ours again
+        for sum_id, (peer, sums) in list(self.sums.items()):
+            if int(peer[1:]) in self.dead:   # it will never read that memory: ours again
                 del self.sums[sum_id]
-                shared.sending.release()
+                for rsum in sums:
+                    rsum.sending.release()
         for rank in self.dead:          # a DEALER would keep what is queued for it for good
             peer = node_name("server", rank)
             if peer in self.connected:
@@ -340,9 +386,3 @@ class Chain:
             self.server.van.connect(peer, host, port)
             self.connected.add(peer)
 
-
-def _inline(name, slot_id, total, home, version):
-    """A ROUND carrying its sum as a payload."""
-    key, part = slot_id
-    header = Header(Op.ROUND, 0, name, [Entry.of(key, part, total)], {"home": home, "round": version})
-    return header, ([memoryview(np.ascontiguousarray(total).reshape(-1).view(np.uint8))] if total.nbytes else [])

@@ -230,6 +230,10 @@ class Server(Node):
         self._redirect = {}                     # (client, id) -> (routing id, request): who asked last
         self._ranks = {}                        # worker name -> its rank (names checked once)
         self._sum_readers = {}                  # (server name, pid) -> Reader of its value segments (ROUND)
+        # values adopted from those segments: (server name, key, part) -> (server name, ROUND id); and
+        # the ROUNDs not answered until none of their sums is a value: (name, id) -> [routing id, ACK, count]
+        self.borrowed = {}
+        self.lent = {}
 
     def serve(self):
         self.start()
@@ -271,9 +275,9 @@ class Server(Node):
                 # copies without values, one sum a round (server/replication.py)
                 self.chain.defer = self.store.deferring = True
                 self.store.on_round = self.chain.round
-            # values in shared segments: co-located workers read pulls out of them, or, with deferred
+            # values in shared segments: co-located workers read pulls out of them, and, with deferred
             # copies, the next server of a chain reads round sums out of them (server/replication.py)
-            if self.cfg.shm and (not self.cfg.replicas or self.store.deferring):
+            if self.cfg.shm:
                 # A plain sync round needs a value and a sum buffer; where a value may change while a
                 # worker still reads it (server/reads.py), a third block takes the update meanwhile.
                 plain = self.store.consistency.wire() == "sync" and not self.cfg.elastic
@@ -620,8 +624,6 @@ class Server(Node):
         """Map a co-located worker's segment (kvps/wire/shm.py); ERROR tells it to use TCP."""
         host, _, pid = self.membership["workers"][worker][:3]
         meta = header.meta
-        if self.chain is not None:
-            raise ShmRefused(f"{self.name} moves everything over TCP with KVPS_REPLICAS (copies go on to replicas)")
         if meta["pid"] != pid:
             raise ShmRefused(f"ATTACH names pid {meta['pid']}; W{worker} registered as pid {pid}")
         if host != self.host or not self.cfg.shm:
@@ -721,25 +723,80 @@ class Server(Node):
                  header.src, header.id, filled)
 
     def _round(self, routing_id, header, payloads):
-        """ROUND: the sum of a sync round that the server before this one in the chain closed, for
-        the round that the copies of its pushes opened here (server/replication.py). Not answered:
-        those copies' replies are."""
+        """ROUND: the sums of sync rounds that the server before this one in the chain closed, for
+        the rounds that the copies of their pushes opened here (server/replication.py). A ROUND of
+        payloads only is not answered: the copies are. Sums that lie in the sender's value segments
+        are read there: without an update rule each becomes the key's value as it is (the store
+        adopts it, no copy), else the rule reads it. The ROUND is answered, so the sender may write
+        that memory again, once no value here is any of its sums any more: at once, or when the next
+        ROUND brings those keys' next sums. Or it is answered that they could not be read, and the
+        sender sends them inline."""
         role, _ = parse_name(header.src)
         if self.chain is None or not self.chain.defer or role != "server":
             raise ProtocolError(f"ROUND from {quote(header.src)}: only a server of a sync job with one replica "
                                 f"sends it")
-        if header.meta.get("at") is not None:
-            return self._round_shared(routing_id, header)
-        for e, total in self._arrays(header, payloads, need=True):
-            self.store.round_sum(e.key, e.part, header.meta["round"], total)
+        rounds, count = header.meta["rounds"], len(header.keys)
+        if len(rounds) != count:
+            raise ProtocolError(f"ROUND from {quote(header.src)} has {count} entries and {len(rounds)} rounds")
+        places = {}
+        for index, segment, offset in header.meta.get("at", ()):
+            if not 0 <= index < count or index in places or header.keys[index].nbytes:
+                raise ProtocolError(f"ROUND meta at names entry {index} of {count}, twice or with a payload")
+            places[index] = (segment, offset)
+        reader, why = self._sum_reader(header) if places else (None, None)
+        frames = iter(payloads)
+        adopted = 0
+        for index, e in enumerate(header.keys):
+            dtype = numpy_dtype(e.dtype)
+            slot = self.store.slots.get((e.key, e.part))
+            before = slot.value if slot is not None else None
+            if index not in places:
+                total = as_array(next(frames), e) if e.nbytes else np.empty(e.shape, dtype)
+                adopt = self.store.round_sum(e.key, e.part, rounds[index], total)
+            elif why is not None:
+                continue                    # the sender sends it again, inline
+            else:
+                segment, offset = places[index]
+                try:
+                    total = reader.view(segment, offset, math.prod(e.shape) * dtype.itemsize).view(dtype).reshape(e.shape)
+                except ShmRefused as exc:
+                    # for good: a later sum read here while this one goes inline would come first
+                    why = reader.refused = str(exc)
+                    continue
+                adopt = self.store.round_sum(e.key, e.part, rounds[index], total, adopt=True)
+            if slot is not None and slot.value is not before:
+                # the value it replaced may have been an earlier sum of the sender's: it may have it back
+                self._give_back(self.borrowed.pop((header.src, e.key, e.part), None))
+            if adopt:
+                self.borrowed[(header.src, e.key, e.part)] = (header.src, header.id)
+                adopted += 1
+        if not places:
+            return
+        meta = {"for": header.src}
+        if why is not None:
+            meta["inline"] = True
+            self.van.complaints(log, logging.WARNING, "%s: cannot read %s's round sums in shared memory (%s); "
+                                "asking for them inline", self.name, header.src, escape(why))
+        answer = Header(Op.ACK, header.id, self.name, meta=meta)
+        if adopted:
+            self.lent[(header.src, header.id)] = [routing_id, answer, adopted]
+        else:
+            self.van.reply(routing_id, answer)
 
-    def _round_shared(self, routing_id, header):
-        """A ROUND whose sum lies in the sender's value segments: copy it out (the store copies what
-        it applies), then answer, so the sender may write that memory again; or answer that it
-        could not be read, and the sender sends it inline."""
-        if len(header.keys) != 1:
-            raise ProtocolError(f"ROUND from {quote(header.src)} names {len(header.keys)} entries in shared memory "
-                                f"(it names one)")
+    def _give_back(self, lent):
+        """A value that was a sum in the memory of another server ((its name, ROUND id), or None)
+        is no longer one: answer that ROUND once none of its sums is."""
+        entry = self.lent.get(lent)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if not entry[2]:
+            del self.lent[lent]
+            self.van.reply(entry[0], entry[1])
+
+    def _sum_reader(self, header):
+        """(Reader of the sender's value segments, after mapping those a ROUND offers; why they
+        cannot be read, or None)."""
         rank = parse_name(header.src)[1]
         if rank >= len(self.membership["servers"]):
             raise ProtocolError(f"ROUND from {quote(header.src)}, which is not one of this job's servers")
@@ -748,24 +805,7 @@ class Server(Node):
         if reader is None:
             reader = self._sum_readers[(header.src, pid)] = Reader(header.src, pid)
         reader.offered(header.meta.get("segments", ()))
-        why = reader.refused if host == self.host else f"{header.src} is on {host}, this server on {self.host}"
-        if why is None:
-            e = header.keys[0]
-            dtype = numpy_dtype(e.dtype)
-            segment, offset = header.meta["at"]
-            try:
-                view = reader.view(segment, offset, math.prod(e.shape) * dtype.itemsize)
-            except ShmRefused as exc:
-                # for good: a later sum read here while this one goes inline would come first
-                why = reader.refused = str(exc)
-            else:
-                self.store.round_sum(e.key, e.part, header.meta["round"], view.view(dtype).reshape(e.shape))
-        meta = {"for": header.src}
-        if why is not None:
-            meta["inline"] = True
-            self.van.complaints(log, logging.WARNING, "%s: cannot read %s's round sums in shared memory (%s); "
-                                "asking for them inline", self.name, header.src, escape(why))
-        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name, meta=meta))
+        return reader, reader.refused if host == self.host else f"{header.src} is on {host}, this server on {self.host}"
 
     def _decoded(self, entry, array, codec):
         """A compressed float32 push, decoded into the float32 gradient it stands for."""

@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import time
+import weakref
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from kvps.kvstore.order import Order
 from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.lane import Lanes
 from kvps.wire.membership import Worker
-from kvps.wire.shm import MIN_BYTES, Arena, Reader, ShmRefused
+from kvps.wire.shm import LINK_META, MIN_BYTES, Arena, Reader, ShmRefused, inlined
 from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
@@ -39,7 +40,7 @@ def _bytes(array):
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
-SHM_MESSAGES = 4      # a message to a server through shared memory carries 4x KVPS_MESSAGE_BYTES
+SHM_MESSAGES = 16     # a message to a server through shared memory carries 16x KVPS_MESSAGE_BYTES
 LANE_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.ROW_SPARSE_PULL})
 DATA_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL})     # the requests that tell a server which values were read
 _AUTO = object()      # _send: choose the way (lane or I/O thread) there
@@ -56,16 +57,24 @@ class Messages:
         self._open = {}              # server -> [entries, payloads, bytes, shared-memory meta]
         self._all = []               # (server, message) in the order they were opened
         self.regions = []            # shared-memory regions the messages use (busy until the call is done)
+        self.heads = {}              # server -> the server whose shared memory its messages name (Region.owner)
 
     def add(self, server, entry, payload, size, shm=None, into=None):
         """shm: the Region holding the entry's payload (then `payload` is None and the entry's
         nbytes 0); into: the Region the server is to write the entry's value into."""
+        for region in (shm, into):
+            if region is not None:
+                self.regions.append(region)
+        if shm is not None and self.heads.setdefault(server, shm.owner) != shm.owner:
+            # (a server died between two parts: the regions are in two servers' memory) inline
+            entry, payload, shm = Entry(*entry[:4], shm.nbytes), shm.view, None
+        if into is not None and self.heads.setdefault(server, into.owner) != into.owner:
+            into = None
         message = self.add_group(server, [(entry, payload, size)])
         index = len(message[0]) - 1
         for field, region in (("shm", shm), ("into", into)):
             if region is not None:
                 message[3].setdefault(field, []).append([index, region.segment, region.offset])
-                self.regions.append(region)
 
     def add_group(self, server, items):
         """Entries [(entry, payload or None, size)] that must travel in one message; returns it."""
@@ -118,6 +127,10 @@ class DistKVStore(KVStore):
         self._copies = {}                # key -> (private copy of its last push, that push's handle)
         self._arenas = {}                # server rank -> shm.Arena shared with it, or None (TCP only)
         self._readers = {}               # server name -> shm.Reader of its value segments, or None
+        self._peers = (-1, {})           # (Worker.servers_changed, {home rank: the name of its head})
+        # a request sent again to a new head (KVPS_REPLICAS) carries inline what it had in shared memory
+        # (through a weak reference: the node must not keep a dropped kvstore, which its arenas name)
+        self._node.requests.rehome = functools.partial(_rehome_weakly, weakref.ref(self))
         # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
         self._order = Order(strict=bool(self._node.requests.resend_after))
         # small calls go on the calling thread's own connections (kvps/wire/lane.py), except where a
@@ -159,8 +172,13 @@ class DistKVStore(KVStore):
             raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
         self._check_returned()
         if self.cfg.replicas:       # to the head of each range's chain, which it names (kvps/wire/chains.py)
-            items = [(self._node.server_peer(server), Header(op, keys=entries, meta=dict(meta, home=server)),
-                      payloads, on_reply) for server, entries, payloads, meta in messages]
+            items = []
+            for server, entries, payloads, meta in messages:
+                # to the server whose shared memory its regions are in: a death since they were
+                # chosen sends it on to the new head, its values inline (_rehomed)
+                peer = messages.heads.get(server) or self._peer(server)
+                items.append((peer, Header(op, keys=entries, meta=self._claim(op, int(peer[1:]), dict(meta, home=server))),
+                              payloads, on_reply))
         else:
             items = [(f"S{server}", Header(op, keys=entries, meta=self._claim(op, server, meta)), payloads, on_reply)
                      for server, entries, payloads, meta in messages]
@@ -248,19 +266,41 @@ class DistKVStore(KVStore):
         """How big a call's messages to `server` grow (KVPS_MESSAGE_BYTES): over the network, small
         enough that the server answers the first while the rest are on the wire; to a co-located
         server through shared memory, whose payloads do not cross the socket, SHM_MESSAGES times that."""
-        return self.cfg.message_bytes * (SHM_MESSAGES if self._arena(server) is not None else 1)
+        return self.cfg.message_bytes * (SHM_MESSAGES if self._arena(self._head(server)) is not None else 1)
+
+    def _head(self, server):
+        """The rank that takes the requests for home rank `server`'s ranges: itself, or with
+        KVPS_REPLICAS the live head of their chain."""
+        return int(self._peer(server)[1:]) if self.cfg.replicas else server
+
+    def _peer(self, server):
+        """The name of the server that takes home rank `server`'s requests (Worker.server_peer,
+        remembered until the servers change)."""
+        changed, peers = self._peers
+        if changed != self._node.servers_changed:
+            changed, peers = self._peers = (self._node.servers_changed, {})
+        peer = peers.get(server)
+        if peer is None:
+            peer = peers[server] = self._node.server_peer(server)
+        return peer
 
     def _arena(self, server):
-        """The shared memory with server rank `server`, or None: it is on another host, or KVPS_SHM=0."""
+        """The shared memory with server rank `server`, or None: it is on another host, or KVPS_SHM=0,
+        or (KVPS_REPLICAS) it is a new server that took the rank of the one this worker shared
+        memory with: requests to the dead one, sent again, still read that memory (_rehomed)."""
         try:
-            return self._arenas[server]
+            arena = self._arenas[server]
         except KeyError:
-            pass
-        arena = None
-        if _co_located(self._node, server):
-            arena = Arena(f"S{server}", functools.partial(self._attach, server))
-        self._arenas[server] = arena
+            arena = None
+            if _co_located(self._node, server):
+                arena = Arena(f"S{server}", functools.partial(self._attach, server), pid=self._pid(server))
+            self._arenas[server] = arena
+        if arena is not None and self.cfg.replicas and arena.pid != self._pid(server):
+            return None
         return arena
+
+    def _pid(self, server):
+        return self._node.membership["servers"][server][2]
 
     def _attach(self, server, segment, fd, nonce):
         meta = {"pid": os.getpid(), "fd": fd, "segment": segment, "nonce": nonce}
@@ -272,18 +312,22 @@ class DistKVStore(KVStore):
         except KVPSError as exc:
             raise ShmRefused(describe(exc)) from None
 
-    def _reader(self, name):
+    def _reader(self, name, make=True):
         """The Reader of server `name`'s value segments, or None: this worker copies no pull out of
-        server memory (not co-located)."""
+        server memory (not co-located, or a new server took the rank: see _arena); `make`: map them
+        if not yet asked to."""
         try:
-            return self._readers[name]
+            reader = self._readers[name]
         except KeyError:
-            pass
-        reader = None
-        server = int(name[1:])
-        if self._arena(server) is not None:
-            reader = Reader(name, self._node.membership["servers"][server][2])
-        self._readers[name] = reader
+            if not make:
+                return None
+            reader = None
+            server = int(name[1:])
+            if self._arena(server) is not None:
+                reader = Reader(name, self._pid(server))
+            self._readers[name] = reader
+        if reader is not None and self.cfg.replicas and reader.pid != self._pid(int(name[1:])):
+            return None
         return reader
 
     def _claim(self, op, server, meta):
@@ -296,7 +340,7 @@ class DistKVStore(KVStore):
             if claim is not None:
                 meta["mapped"] = claim
         else:
-            reader = self._readers.get(f"S{server}")
+            reader = self._reader(f"S{server}", make=False)
         if reader is not None and op in DATA_OPS:
             done = reader.done()
             if done:
@@ -304,11 +348,12 @@ class DistKVStore(KVStore):
         return meta
 
     def _region(self, server, info, part, direction):
-        """The free region of `direction` ("push", "reply") for a part, or None (it goes over TCP)."""
+        """The free region of `direction` ("push", "reply") for a part, or None (it goes over TCP); in
+        the memory shared with the server that takes home rank `server`'s requests now."""
         nbytes = part.size * info.dtype.itemsize
-        if nbytes < MIN_BYTES or not self.cfg.shm or self.cfg.replicas:
+        if nbytes < MIN_BYTES or not self.cfg.shm:
             return None
-        arena = self._arena(server)
+        arena = self._arena(self._head(server))
         return None if arena is None else arena.region((info.key, part.index, direction), nbytes)
 
     def _shareable(self, items, codec):
@@ -383,7 +428,7 @@ class DistKVStore(KVStore):
                     if frame is not None:
                         np.copyto(dest, as_array(frame, entry).reshape(-1))
                     elif index in shared:
-                        copy_into(dest, self._replied(info, entry.part).array(info.dtype, dest.size))
+                        copy_into(dest, self._replied(header.src, info, entry.part).array(info.dtype, dest.size))
                     elif index in placed:
                         copy_into(dest, self._server_memory(reader, entry, placed[index], dest.nbytes).view(info.dtype))
                 first = dests.get((entry.key, entry.part))
@@ -431,9 +476,9 @@ class DistKVStore(KVStore):
             np.copyto(dest, values)
         return True
 
-    def _replied(self, info, part):
-        """The reply region a server wrote part `part` of a key into."""
-        arena = self._arenas.get(info.parts[part].server)
+    def _replied(self, server, info, part):
+        """The reply region server `server` (its name) wrote part `part` of a key into."""
+        arena = self._arenas.get(int(server[1:]))
         region = arena.existing((info.key, part, "reply")) if arena is not None else None
         if region is None:
             raise ProtocolError(f"a reply for key {info.key!r} part {part} names shared memory this "
@@ -793,6 +838,28 @@ def _unread(readers, header):
             reader.copied(header.meta["read"])
 
 
+def _rehome_weakly(kvstore, header, payloads, old):
+    kvstore = kvstore()
+    return (header, payloads) if kvstore is None else _rehomed(kvstore._arenas, header, payloads, old)
+
+
+def _rehomed(arenas, header, payloads, old):
+    """A request that went to server `old` (its name) made fit for another one, the new head of its
+    range (KVPS_REPLICAS: `old` died): the values it named in the memory this worker shares with
+    `old` go inline, and what it said about that memory goes. `arenas`: the kvstore's
+    {server rank: shm.Arena or None}."""
+    if not any(field in header.meta for field in LINK_META):
+        return header, payloads
+    arena = arenas.get(int(old[1:]))
+    return inlined(header, payloads, arena.view if arena is not None else _no_memory(old))
+
+
+def _no_memory(server):
+    def view(segment, offset, nbytes):
+        raise ShmRefused(f"a request names memory shared with {server}, and this worker shares none with it")
+    return view
+
+
 def _server_address(node, peer):
     host, port, _ = node.membership["servers"][int(peer[1:])]
     return host, port
@@ -800,11 +867,9 @@ def _server_address(node, peer):
 
 def _co_located(node, server):
     """Whether this worker reaches server rank `server` by the co-located paths (shared memory, the
-    local socket): on this worker's host, with KVPS_SHM on and no replicas (with KVPS_REPLICAS
-    everything goes over TCP: a head copies what it receives to its replicas)."""
+    local socket): on this worker's host, with KVPS_SHM on."""
     membership = node.membership
-    return bool(node.cfg.shm and not node.cfg.replicas
-                and membership["workers"][node.rank][0] == membership["servers"][server][0])
+    return bool(node.cfg.shm and membership["workers"][node.rank][0] == membership["servers"][server][0])
 
 
 def _server_local(node, peer):

@@ -387,21 +387,25 @@ class Store:
         for worker, array, done in early:
             self._enter(slot, worker, array, done)
 
-    def round_sum(self, key, part, version, total):
+    def round_sum(self, key, part, version, total, adopt=False):
         """The sum of the round of (key, part) that makes its `version`, from the server before this
         one in the chain (ROUND), for a round here whose pushes were deferred. A round this server
         already closed from the workers' values (its head died, `fill`) takes nothing; any other
-        mismatch raises ProtocolError, and nothing changes."""
+        mismatch raises ProtocolError, and nothing changes. `adopt`: without an update rule the sum
+        becomes the value as it is, not a copy (a read-only view of the sender's memory, which it
+        leaves alone until told: server/replication.py); returns whether it did."""
         slot = self.check(key, part, total.dtype, total.shape)
         if slot.awaiting is None and slot.version >= version:
-            return
+            return False
         if slot.awaiting is None:
             raise ProtocolError(f"the sum of round {version} of {slot.name()} came, but no round waits for "
                                 f"one here (version {slot.version})")
         if slot.version + 1 != version:
             raise ProtocolError(f"the sum of round {version} of {slot.name()} came, but round "
                                 f"{slot.version + 1} waits for one here")
-        self._finish_awaiting(slot, [total])
+        adopt = adopt and self.rule is None
+        self._finish_awaiting(slot, [total], adopt)
+        return adopt
 
     def fill(self, key, part, deferred, array):
         """The values of a Deferred push, sent again by its worker: a round that waited only for
@@ -411,11 +415,14 @@ class Store:
         if slot.awaiting is not None and _resolved(slot.awaiting[0]):
             self._finish_awaiting(slot, slot.awaiting[0])
 
-    def _finish_awaiting(self, slot, pending):
+    def _finish_awaiting(self, slot, pending, adopt=False):
         _, _, acks, members, merge_start = slot.awaiting
         slot.awaiting = None
         try:
-            self._merge(slot, pending)
+            if adopt:
+                self._replace(slot, pending[0])
+            else:
+                self._merge(slot, pending)
         except Exception as exc:
             self._round_merged(slot, acks, members, merge_start, exc)
             return
@@ -509,7 +516,8 @@ class Store:
         reply may still read it (zmq sends from it, a worker copies out of it): then it is kept
         aside until they are done (_retire), and the next round sums into other memory."""
         if not slot.sent or self._settled(slot):
-            slot.merge, slot.value, slot.sent = slot.value, new, []
+            # (an adopted value, read-only, is nobody's sum buffer: round_sum)
+            slot.merge, slot.value, slot.sent = slot.value if slot.value.flags.writeable else None, new, []
         else:
             self.stats["moved"] += 1
             self._retire(slot)
@@ -560,7 +568,10 @@ class Store:
     def _destination(self, slot):
         """Where the value's next in-place update should go instead: None (in place), or other
         memory (the value moves there, see _retire) while a reply reads the value, or to move a
-        private value back into a freed shared block."""
+        private value back into a freed shared block, or out of memory it may not write (an adopted
+        value: round_sum)."""
+        if not slot.value.flags.writeable:
+            return self._fresh(slot)
         if slot.sent and not self._settled(slot):
             self.stats["moved"] += 1
             return self._fresh(slot)

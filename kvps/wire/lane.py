@@ -38,6 +38,7 @@ from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, d
 from kvps.wire import local, protocol
 from kvps.wire.protocol import Op
 from kvps.wire.requests import Handle
+from kvps.wire.shm import LINK_META
 from kvps.wire.transport import recv_message, send_message
 
 SLICE = 0.05            # seconds a lane waits on its sockets before it checks for a failure or a stop
@@ -154,8 +155,11 @@ class Lane:
                     header.id = node.requests.next_id()
                     header.src = node.name
                     if self._keep:          # its own copy of the values, to send again to a new head
+                        routed = node.server_peer(header.meta["home"])   # a death seen since the call routed it
+                        if routed != peer:
+                            header, payloads = node.requests.rehomed(header.id, peer, header, payloads)
+                            peer = routed
                         frames = [header.encode(), *(bytes(p) for p in payloads)]
-                        peer = node.server_peer(header.meta["home"])   # a death seen since the call routed it
                     else:
                         frames = [header.encode(), *payloads]
                     sock = self._socks.get(peer) or self._connect(peer)
@@ -227,6 +231,8 @@ class Lane:
                 continue
             if head == peer and peer in self._socks:
                 continue
+            if head != peer:
+                frames = _rehomed(node.requests, frames, peer)
             self._pending[request_id] = (handle, head, on_reply, frames, home)
             with handle._lock:
                 handle._waiting[request_id] = head
@@ -372,3 +378,13 @@ def _close_sockets(socks):
     for sock in socks.values():
         sock.close(0)
     socks.clear()
+
+
+def _rehomed(requests, frames, dead):
+    """The frames of a kept request to `dead` as they go to another server (Requests.rehome): the
+    same bytes unless it names memory shared with `dead`."""
+    header = protocol.decode(frames[0])
+    if requests.rehome is None or not any(field in header.meta for field in LINK_META):
+        return frames
+    header, payloads = requests.rehome(header, frames[1:], dead)
+    return [header.encode(), *(bytes(p) for p in payloads)]

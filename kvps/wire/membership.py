@@ -220,7 +220,10 @@ class Node:
                 header.id = self.requests.add(handle, peer, on_reply, (header, payloads), control=peer == SCHEDULER)
                 header.src = self.name
                 if self.dead_servers:
-                    peer = self.requests.peer_of(header.id, peer)
+                    routed = self.requests.peer_of(header.id, peer)
+                    if routed != peer:
+                        header, payloads = self.requests.rehomed(header.id, peer, header, payloads)
+                        peer = routed
                 self.van.send(peer, header, payloads, priority=priority)
         finally:
             handle._arm()

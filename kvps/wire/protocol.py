@@ -371,15 +371,18 @@ SCHEMA = {
                         "[worker, highest id forgotten, ids answered, ids answered with values] of the range's "
                         "requests (kvps/wire/window.py): asked again, they are not applied twice"),
     }),
-    Op.ROUND: Message("server -> server", "chain replication with one replica, sync: the sum of a round the "
-                                          "sender closed, one entry, for the round that the deferred copies of "
-                                          "its pushes opened at the receiver (server/replication.py); not "
-                                          "answered (the copies are)", {
-        "home": Field(INT, "the home rank of the entry's key range"),
-        "round": Field(INT, "the key's version once the round is applied (its rounds closed so far)"),
-        "at": Field(Tuple((INT, INT)), "[segment, offset]: the sum lies in the sender's value segments (the "
-                                       "receiver is on its host), not in a payload; the receiver copies it out "
-                                       "and answers ACK (the sender then writes that memory again)", required=False),
+    Op.ROUND: Message("server -> server", "chain replication with one replica, sync: the sums of rounds the "
+                                          "sender closed while it handled one request, an entry each, for the "
+                                          "rounds that the deferred copies of their pushes opened at the receiver "
+                                          "(server/replication.py); answered only when it names shared memory "
+                                          "(the copies are)", {
+        "home": Field(INT, "the home rank of the entries' key ranges"),
+        "rounds": Field(ListOf(INT), "per entry, the key's version once its round is applied (its rounds "
+                                     "closed so far)"),
+        "at": Field(ListOf(Tuple((INT, INT, INT))), "[entry index, segment, offset]: those sums lie in the "
+                                                    "sender's value segments (the receiver is on its host), not "
+                                                    "in payloads; the receiver copies them out and answers ACK "
+                                                    "(the sender then writes that memory again)", required=False),
         "segments": Field(ListOf(Tuple((INT, INT, BYTES))), "[segment, fd, nonce]: value segments of the sender "
                                                            "offered for the first time, to map read-only as a "
                                                            "worker maps VALUE's", required=False),

@@ -13,7 +13,8 @@ ignored here, so lost and duplicated messages change nothing but the time a call
 With chain replication (KVPS_REPLICAS, `keep_data`), every data request is kept until answered,
 and when its server dies `redirect` hands it over, same id, to the server that now heads its
 key range's chain (kvps/wire/chains.py), which answers an id it already applied without applying it
-again.
+again. What a request says about the sender's shared memory with the dead server does not go with
+it: `rehome(header, payloads, dead)`, set by the kvstore, gives the message to send instead.
 """
 import itertools
 import logging
@@ -146,6 +147,7 @@ class Requests:
         self._control = {}              # id -> (peer, header, payloads)
         self.keep_data = keep_data      # keep data requests for redirect (never due for a resend)
         self.moved = {}                 # dead peer -> peer_for(header) of its redirect: later requests too
+        self.rehome = None              # (header, payloads, dead peer) -> (header, payloads) to send elsewhere
 
     def next_id(self):
         """A fresh request id, for a request that is not kept here (kvps/wire/lane.py)."""
@@ -200,6 +202,8 @@ class Requests:
                 if peer is None:
                     continue
                 entry[2] = peer
+                if self.rehome is not None:
+                    entry[3], entry[4] = self.rehome(entry[3], entry[4], dead)
                 handle, _, on_reply = self._pending[request_id]
                 self._pending[request_id] = (handle, peer, on_reply)
                 with handle._lock:
@@ -213,6 +217,18 @@ class Requests:
         with self._lock:
             entry = self._pending.get(request_id)
         return peer if entry is None else entry[1]
+
+    def rehomed(self, request_id, dead, header, payloads):
+        """(header, payloads) of an added request that goes elsewhere than to `dead`, to which it
+        was sent (see `rehome`); its kept copy becomes that message too."""
+        if self.rehome is None:
+            return header, payloads
+        header, payloads = self.rehome(header, payloads, dead)
+        with self._lock:
+            entry = self._resend.get(request_id)
+            if entry is not None:
+                entry[3], entry[4] = header, payloads
+        return header, payloads
 
     def answer(self, header, payloads):
         """Match a reply to its request (I/O thread). Returns False for an unknown id."""

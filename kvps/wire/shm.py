@@ -37,8 +37,15 @@ updates of those values into other memory (server/reads.py).
     reader = Reader("S0", pid)           # worker side, one per co-located server
     reader.offered(values.offers(reader.claim()))        # maps the new segments read-only
     view = reader.view(segment, offset, nbytes)
+
+A request that names a worker's memory means something only to the server it was sent to. When it
+must go to another one (KVPS_REPLICAS: a copy along the chain, or a request sent again to the new
+head of its range), inlined() carries its values in the message instead:
+
+    header, payloads = inlined(header, payloads, arena.view, drop=LINK_META)
 """
 import logging
+import math
 import mmap
 import os
 import threading
@@ -46,6 +53,7 @@ import threading
 import numpy as np
 
 from kvps.errors import KVPSError
+from kvps.wire.protocol import Entry, Header, numpy_dtype
 
 log = logging.getLogger("kvps.shm")
 
@@ -54,6 +62,9 @@ SEGMENT_BYTES = 64 << 20        # a segment's size unless one region needs more
 MIN_BYTES = 1 << 16             # smaller entries travel inline: copying them is cheaper than the bookkeeping
 PREFIX = "kvps-"                # the memfd's name, which the server checks
 MAX_SEGMENTS = 4096             # per worker on one server: bounds what a peer can make a server map
+# a request's meta about its sender's shared memory with the server it went to: the regions holding
+# its values and those its values go into, the server segments mapped, the replies read out of them
+LINK_META = ("shm", "into", "mapped", "done")
 
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -64,11 +75,12 @@ class ShmRefused(KVPSError):
 
 
 class Region:
-    """nbytes at `offset` of segment `segment`; `busy` is the handle of the request using it."""
-    __slots__ = ("segment", "offset", "nbytes", "view", "busy")
+    """nbytes at `offset` of segment `segment`, shared with server `owner` (its name); `busy` is the
+    handle of the request using it."""
+    __slots__ = ("segment", "offset", "nbytes", "view", "owner", "busy")
 
-    def __init__(self, segment, offset, nbytes, view):
-        self.segment, self.offset, self.nbytes, self.view = segment, offset, nbytes, view
+    def __init__(self, segment, offset, nbytes, view, owner):
+        self.segment, self.offset, self.nbytes, self.view, self.owner = segment, offset, nbytes, view, owner
         self.busy = None
 
     def free(self):
@@ -115,10 +127,12 @@ class Arena:
     """One worker's segments shared with one server, and their regions (worker side).
 
     attach(segment_id, fd, nonce) is called for each new segment and must return once the server
-    has mapped it, or raise ShmRefused; after a refusal the arena gives no more regions."""
+    has mapped it, or raise ShmRefused; after a refusal the arena gives no more regions. `pid`: the
+    server's process, where the caller needs to tell it from another that takes its name later."""
 
-    def __init__(self, server, attach, segment_bytes=SEGMENT_BYTES):
+    def __init__(self, server, attach, segment_bytes=SEGMENT_BYTES, pid=None):
         self.server = server
+        self.pid = pid
         self._attach = attach
         self._segment_bytes = segment_bytes
         self._segments = []
@@ -142,6 +156,15 @@ class Arena:
         """The region of `slot`, busy or not (None if there is none)."""
         return self._regions.get(slot)
 
+    def view(self, segment, offset, nbytes):
+        """nbytes of our segment `segment` at offset (np.uint8, no copy); raises ShmRefused."""
+        if not 0 <= segment < len(self._segments):
+            raise ShmRefused(f"segment {segment} is not one of the {len(self._segments)} shared with {self.server}")
+        found = self._segments[segment]
+        if offset < 64 or nbytes < 0 or offset + nbytes > found.size:
+            raise ShmRefused(f"bytes {offset}..{offset + nbytes} are outside segment {segment} ({found.size} bytes)")
+        return _view(found, offset, nbytes)
+
     def _new(self, nbytes):
         try:
             room = _room(self._segments, nbytes, self._segment_bytes)
@@ -162,7 +185,7 @@ class Arena:
                 return None
             self._segments.append(segment)
             offset = segment.take(nbytes)
-        return Region(segment.id, offset, nbytes, _view(segment, offset, nbytes))
+        return Region(segment.id, offset, nbytes, _view(segment, offset, nbytes), self.server)
 
     def close(self):
         self._regions.clear()
@@ -239,6 +262,28 @@ class Mapped:
             raise ShmRefused(f"bytes {offset}..{offset + nbytes} are outside segment {segment} "
                              f"({area.size} bytes)")
         return area[offset:offset + nbytes]
+
+
+def inlined(header, payloads, view, drop=LINK_META):
+    """(header, payloads) of a request with the values it names in shared memory (meta "shm") carried
+    as payload frames instead, and without the meta fields in `drop`. view(segment, offset, nbytes)
+    gives the memory (Arena.view, Mapped.view); the frames are views of it, not copies, so it must
+    not change until the message is answered (the sender's region stays busy until then). The
+    request keeps its op, id and source."""
+    meta = {k: v for k, v in header.meta.items() if k not in drop}
+    named = {index: (segment, offset) for index, segment, offset in header.meta.get("shm", ())}
+    if not named:
+        return Header(header.op, header.id, header.src, header.keys, meta), list(payloads)
+    keys, out, frames = [], [], iter(payloads)
+    for index, e in enumerate(header.keys):
+        if index in named:
+            nbytes = math.prod(e.shape) * numpy_dtype(e.dtype).itemsize
+            out.append(view(*named[index], nbytes))
+            e = Entry(e.key, e.part, e.dtype, e.shape, nbytes)
+        elif e.nbytes:
+            out.append(next(frames))
+        keys.append(e)
+    return Header(header.op, header.id, header.src, keys, meta), out
 
 
 BLOCKS = 2      # a key's value and the buffer its next round is summed into (kvps/ps/store.py swaps them)
@@ -331,6 +376,8 @@ class Reader:
         self.count = 0                   # segments 0 .. count - 1 are mapped
         self.refused = None
         self._read = []                  # numbers of replies copied out, not yet told (meta done)
+
+    pid = property(lambda self: self._mapped.pid)     # the server's process
 
     def claim(self):
         return None if self.refused is not None else self.count

@@ -143,7 +143,7 @@ def test_lies_get_clear_errors_and_the_job_is_exact(cluster):
         assert reply.op == Op.ERROR and "twice" in reply.meta["message"], reply.meta
         # what only a replica of a sync job with one replica takes: a round's sum, a copy without values
         total = np.ones(8, np.float32)
-        reply = s.ask([Header(Op.ROUND, 10, "S0", [Entry.of("w", 0, total)], {"home": 0, "round": 1}).encode(),
+        reply = s.ask([Header(Op.ROUND, 10, "S0", [Entry.of("w", 0, total)], {"home": 0, "rounds": [1]}).encode(),
                        total.tobytes()])
         assert reply.op == Op.ERROR and "only a server of a sync job with one replica" in reply.meta["message"]
         reply = s.ask([Header(Op.PUSH, 11, "W0", [Entry.bare("w", 0, 0, (8,))],

@@ -19,8 +19,10 @@ SCRIPT = r'''
 import json, os, sys, time, numpy as np, kvps
 STEPS = int(os.environ["STEPS"])
 kv = kvps.create(os.environ.get("MODE", "dist_sync"))
-shapes = {"w0": (3,), "w1": (40, 5), "big": (600, 10), 7: (9,)}
-kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.5, momentum=0.5, rescale_grad=1.0))
+# "wide": one part of 120 KB per server, which co-located workers push and pull through shared memory
+shapes = {"w0": (3,), "w1": (40, 5), "big": (600, 10), 7: (9,), "wide": (3, 30000)}
+if os.environ.get("OPTIMIZER", "sgd") == "sgd":
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.5, momentum=0.5, rescale_grad=1.0))
 weights = {k: np.full(s, 1.0, np.float32) for k, s in shapes.items()}
 for k, w in weights.items():
     kv.init(k, w)
@@ -46,15 +48,19 @@ def _final(c):
     return out
 
 
-def test_kill_a_server_in_sync_the_weights_are_exact(cluster):
+@pytest.mark.parametrize("optimizer", ["sgd", "none"])
+def test_kill_a_server_in_sync_the_weights_are_exact(cluster, optimizer):
+    """With an optimizer a replica applies each round's sum with it; without, the sums that lie in
+    its head's shared memory become its values as they are (server/replication.py), and stay
+    readable there when the head is killed."""
     steps = 40
     clean = cluster(2, 3, env=ENV)
-    clean.run_workers(SCRIPT, timeout=90, env={"STEPS": str(steps)})
+    clean.run_workers(SCRIPT, timeout=90, env={"STEPS": str(steps), "OPTIMIZER": optimizer})
     expected = _final(clean)
     assert clean.wait_daemons() == [0, 0, 0, 0], clean.logs()
 
     c = cluster(2, 3, env=ENV)
-    procs = c.spawn_workers(SCRIPT, env={"STEPS": str(steps), "PAUSE": "0.05"})
+    procs = c.spawn_workers(SCRIPT, env={"STEPS": str(steps), "PAUSE": "0.05", "OPTIMIZER": optimizer})
     at = random.Random().randint(3, 12)
     wait_for(lambda: sum("step" in line for line in c.output("W0")) >= at, 60, f"W0 to reach step {at}")
     c.proc("S1").kill()
@@ -130,6 +136,10 @@ def test_one_replica_gets_each_rounds_sum_once_not_every_workers_values(cluster,
     assert sum(s["round_sums_shared"] for s in stats.values()) == (5 if shm == "1" else 0)
     assert sum(s["rounds"] for s in stats.values()) == 2 * 2 * 5         # closed at head and replica
     assert sum(s["bytes_in"] for s in stats.values()) == 5 * 2 * (200_000 + 40)
+    # with shared memory each push and pull of the big key named shared memory (its push's values,
+    # its pull's reply region), and pulls were read straight out of the head's memory
+    assert sum(s["shared"] for s in stats.values()) == (5 * 2 * 2 if shm == "1" else 0), stats
+    assert (sum(s["placed"] for s in stats.values()) > 0) == (shm == "1"), stats
     assert c.wait_daemons() == [0, 0, 0], c.logs()
 
 
@@ -139,8 +149,9 @@ def test_kill_a_server_in_async_nothing_acknowledged_is_lost(cluster):
     script = r'''
 import json, os, numpy as np, kvps
 kv = kvps.create("dist_async")
-keys = ["a", "b", "big"]
-shapes = {"a": (5,), "b": (7, 3), "big": (500, 4)}
+keys = ["a", "b", "big", "wide"]
+# "wide": parts of 120 KB, pushed through shared memory and copied along the chain inline
+shapes = {"a": (5,), "b": (7, 3), "big": (500, 4), "wide": (3, 30000)}
 for k in keys:
     kv.init(k, np.zeros(shapes[k], np.float32))
 STEPS = int(os.environ["STEPS"])
@@ -164,7 +175,7 @@ print(json.dumps({"final": {k: sorted(set(v.reshape(-1).tolist())) for k, v in o
     assert [p.returncode for p in procs] == [0, 0], c.logs()
     total = float(steps * (1 + 2))
     for out in _final(c):
-        assert out["final"] == {"a": [total], "b": [total], "big": [total]}, out
+        assert out["final"] == {"a": [total], "b": [total], "big": [total], "wide": [total]}, out
 
 
 def test_more_deaths_than_replicas_end_the_job_clearly(cluster):

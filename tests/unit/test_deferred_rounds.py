@@ -166,3 +166,58 @@ def test_a_head_keeps_a_sum_being_sent_until_zmq_let_go(rule):
         for w in (0, 1):
             head.push(w, "w", 0, step[w], lambda r: None)
     assert any(buffers[5][0] is b for b, _ in buffers[:5])     # a buffer let go is summed into again
+
+
+def _lent(array):
+    """A read-only view, as a replica maps a head's value segments."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def test_without_a_rule_a_replica_adopts_the_heads_sum_and_never_writes_it():
+    """The sum becomes the replica's value as it is (no copy); the next sum replaces it, and when
+    the replica has to compute a round itself (its head died) or update in place (a rule set
+    later), it does so in memory of its own."""
+    replica = _store(deferring=True)
+    sums = [np.full(N, float(v), np.float32) for v in (1, 2)]
+    for version, total in enumerate(sums, 1):
+        for w in (0, 1):
+            replica.push(w, "w", 0, Deferred(), lambda r: None)
+        assert replica.round_sum("w", 0, version, _lent(total), adopt=True)
+        slot = replica.slots[("w", 0)]
+        assert np.shares_memory(slot.value, total)
+        # the value it replaced is the next sum buffer if it was its own, never if it was lent
+        assert (slot.merge is None) == (version > 1)
+    # the head died: the workers' values close round 3 here, in memory of its own
+    places = [Deferred(), Deferred()]
+    for w in (0, 1):
+        replica.push(w, "w", 0, places[w], lambda r: None)
+    for place in places:
+        replica.fill("w", 0, place, np.ones(N, np.float32))
+    assert slot.value.flags.writeable and not any(np.shares_memory(slot.value, s) for s in sums)
+    assert np.array_equal(_pull(replica, 0)[0], np.full(N, 2.0, np.float32))
+    assert np.array_equal(sums[1], np.full(N, 2.0, np.float32))       # the lent memory is untouched
+
+
+def test_a_rule_set_after_an_adopted_sum_updates_a_copy():
+    replica = _store(deferring=True)
+    total = np.full(N, 3.0, np.float32)
+    for w in (0, 1):
+        replica.push(w, "w", 0, Deferred(), lambda r: None)
+    replica.round_sum("w", 0, 1, _lent(total), adopt=True)
+    replica.set_rule(Registry().create(kvps.optimizer.create("sgd", learning_rate=0.5).spec()))
+    replica.deferring = False
+    for w in (0, 1):
+        replica.push(w, "w", 0, np.ones(N, np.float32), lambda r: None)
+    assert np.array_equal(_pull(replica, 0)[0], np.full(N, 2.0, np.float32))   # 3 - 0.5 * (1 + 1)
+    assert np.array_equal(total, np.full(N, 3.0, np.float32))
+
+
+def test_with_a_rule_a_replica_applies_the_sum_and_adopts_nothing():
+    replica = _store("sgd", deferring=True)
+    for w in (0, 1):
+        replica.push(w, "w", 0, Deferred(), lambda r: None)
+    total = np.ones(N, np.float32)
+    assert not replica.round_sum("w", 0, 1, _lent(total), adopt=True)
+    assert not np.shares_memory(replica.slots[("w", 0)].value, total)

@@ -83,7 +83,7 @@ def parser():
                    help="also run kvps with KVPS_METRICS_PORT=0 (every node serves Prometheus metrics) in the same "
                         "run, and report their cost (docs/observability.md)")
     p.add_argument("--replicas", type=int, default=0, metavar="R",
-                   help="also run kvps with KVPS_REPLICAS=R (chain replication: workers to servers over TCP) in "
+                   help="also run kvps with KVPS_REPLICAS=R (chain replication) in "
                         "the same run, and report its cost against kvps and, with --tcp, kvps over TCP "
                         "(docs/replication.md)")
     p.add_argument("--server-threads", type=int, default=0, metavar="N",
@@ -369,8 +369,8 @@ def paired_ratio(plain_ms, other_ms):
 
 def replicas_report(replicas, plain_rows, tcp_rows, replicated_rows):
     """kvps with chain replication (KVPS_REPLICAS) against the same kvps without, and without over TCP."""
-    text = cost_report(f"Replication cost: the same job with KVPS_REPLICAS={replicas} (workers to servers over "
-                       f"TCP), in the same run; ratio = replicated / plain.", "replicated", plain_rows, replicated_rows)
+    text = cost_report(f"Replication cost: the same job with KVPS_REPLICAS={replicas}, in the same run; "
+                       f"ratio = replicated / plain.", "replicated", plain_rows, replicated_rows)
     if tcp_rows:
         text += "\n\n" + cost_report(f"The same against kvps over TCP (KVPS_SHM=0); ratio = replicated / TCP.",
                                       "replicated", tcp_rows, replicated_rows)
