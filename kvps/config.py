@@ -43,7 +43,7 @@ VARIABLES = (
     Var("KVPS_PARTITION_BYTES", 4 << 20, int, "a split array is cut into parts of at most this size (0: one part "
                                                "per server), dealt round the servers"),
     Var("KVPS_MESSAGE_BYTES", 1 << 20, int, "a call's data to one server goes in messages of about this size, so "
-                                           "the server can answer early ones while later ones arrive (4x that to a "
+                                           "the server can answer early ones while later ones arrive (16x that to a "
                                            "co-located server through shared memory, whose payloads skip the socket)"),
     Var("KVPS_SEND_CREDIT", 4 << 20, int, "a worker hands the network at most this many bytes of data messages "
                                           "at a time, so a call with a higher priority overtakes bulk already "

@@ -38,6 +38,7 @@ the workers send what they had in flight to the new head the same way (kvps/wire
 a new server takes a dead one's rank it joins the tail of that rank's chains, and the old tail hands
 it the state first (server/handover.py).
 """
+import collections
 import dataclasses
 import logging
 import os
@@ -68,6 +69,7 @@ class Forward:
     answer: tuple = None        # (routing_id, request, reply, payloads) once this server has answered
     acked: bool = False
     error: Header = None        # the successor's ERROR, which replaces this server's own reply
+    deferred: bool = False      # a copy without values: no answer of its own, the successor's ROUND answers do
 
 
 class Sending:
@@ -90,6 +92,7 @@ class RoundSum:
     home: int
     version: int
     at: tuple = None            # (segment, offset) of `total` in our value segments; None: it goes inline
+    seq: int = 0                # its number among the sums made for that server (Chain.seq)
 
 
 class Held:
@@ -133,9 +136,14 @@ class Chain:
         # the round sums of the request being handled, sent after its copy (Server._replicated), in one
         # ROUND per next server: the copy of a round's last push must reach it before the round's sum
         self.handling = None
-        # ROUND id -> (peer, [Sum] it reads in our segments); the value segments offered to each peer;
-        # peers that cannot read them
-        self.sums = {}
+        # Per next server: the round sums made for it, the highest number up to which it has applied
+        # them all (its answers to ROUNDs; `gaps`: numbers it could not read in our memory, sent
+        # again inline), and the replies to deferred copies held until it has: [(number, key)]
+        self.seq, self.applied, self.gaps, self.waiting = {}, {}, {}, {}
+        # ROUND id -> (peer, [RoundSum], the highest number in it) until answered; then, for those
+        # in our segments, (peer, [RoundSum]) until the peer says it no longer reads them (released)
+        self.sums, self.lent = {}, {}
+        # the value segments offered to each peer; peers that cannot read them
         self.offered = {}
         self.inline = set()
         self._sum_id = 0
@@ -166,7 +174,7 @@ class Chain:
         else:       # the values a co-located worker put in shared memory go inline
             copy, payloads = inlined(header, payloads, self._worker_memory(header), LOCAL_META)
         copy.meta["chain"] = True
-        fwd = Forward(home, node_name("server", nxt), copy, payloads)
+        fwd = Forward(home, node_name("server", nxt), copy, payloads, deferred=bool(copy.meta.get("deferred")))
         self.pending[(header.src, header.id)] = fwd
         return fwd
 
@@ -207,26 +215,30 @@ class Chain:
         """A round of `slot` closed here with `total` as its sum: send it to the next server of the
         slot's chain, whose copies of the round's pushes wait for it (they go first, on the same
         connection). zmq sends it without a copy; the store keeps it until then."""
-        if not self.defer or self.hold_sums == self.server.name:
+        if not self.defer:
             return
         home = self.server.homes.get(slot.id, self.server.rank)
         nxt = self.successor(home)
         if nxt is None:
             return
         peer = node_name("server", nxt)
+        seq = self.seq[peer] = self.seq.get(peer, 0) + 1
+        if self.hold_sums == self.server.name:      # (test only) made, never sent, so never applied
+            return
         self._connect(peer)
         sending = Sending()
         self.server.store.forwarding(slot, sending)
         self.rounds += 1
-        rsum = RoundSum(slot, total, sending, home, slot.version, self._shared(peer, total))
+        rsum = RoundSum(slot, total, sending, home, slot.version, self._shared(peer, total), seq)
         if self.handling is not None:
             self.handling.append((peer, rsum))
         else:
             self._send_sums(peer, [rsum])
 
-    def _send_sums(self, peer, sums):
-        """One ROUND to `peer` with the sums [Sum] of one home rank: those in our value segments
-        named by place (the peer answers once it has copied them out), the others as payloads."""
+    def _send_sums(self, peer, sums, through=None):
+        """One ROUND to `peer` with the sums [RoundSum] of one home rank: those in our value segments
+        named by place, the others as payloads. Its answer says that every sum up to number
+        `through` (default: the highest in it) is applied there."""
         keys, payloads, places, inline = [], [], [], []
         for index, rsum in enumerate(sums):
             key, part = rsum.slot.id
@@ -239,22 +251,21 @@ class Chain:
                 keys.append(Entry(key, part, dtype_code(rsum.total.dtype), rsum.total.shape, 0))
                 places.append([index, *rsum.at])
         meta = {"home": sums[0].home, "rounds": [rsum.version for rsum in sums]}
-        sum_id = 0
+        self._sum_id = sum_id = self._sum_id + 1
+        self.sums[sum_id] = (peer, sums, max(rsum.seq for rsum in sums) if through is None else through)
         if places:
-            self._sum_id = sum_id = self._sum_id + 1
             meta["at"] = places
             values = self.server.values
             offers = values.offers(self.offered.get(peer, 0))
             if offers:
                 meta["segments"] = offers
                 self.offered[peer] = values.count
-            self.sums[sum_id] = (peer, [rsum for rsum in sums if rsum.at is not None])
             self.rounds_shared += len(places)
         def sent():             # zmq let go of the payloads
             for rsum in inline:
                 rsum.sending.release()
         self.server.van.send(peer, Header(Op.ROUND, sum_id, self.server.name, keys, meta), payloads,
-                             on_sent=sent if inline else None)
+                             on_sent=sent if inline else None, bundle=True)
 
     def _shared(self, peer, total):
         """(segment, offset) of a round's sum for a next server on this host that reads our value
@@ -266,24 +277,58 @@ class Chain:
             return None
         return values.locate(total)
 
-    def sum_read(self, peer, reply):
-        """The next server's answer to a ROUND it read in our segments: the memory is ours again; or
-        it could not read them (meta inline): send those sums, and every later one, inline."""
-        found = self.sums.get(reply.id)
+    def round_applied(self, peer, reply):
+        """The next server's answer to a ROUND: it applied those sums, so the replies that waited
+        for them go; the sums it names as released are in memory of ours that it no longer reads.
+        Or it could not read those in our memory (meta inline): they go again inline, and every
+        later one, and nothing past them counts as applied until they are."""
+        found = self.sums.pop(reply.id, None)
         if found is None or found[0] != peer:
             return
-        del self.sums[reply.id]
+        _, sums, through = found
+        shared = [rsum for rsum in sums if rsum.at is not None]
+        if shared:
+            self.lent[reply.id] = (peer, shared)
+        for sum_id in reply.meta.get("released", ()):
+            lent = self.lent.get(sum_id)
+            if lent is not None and lent[0] == peer:
+                del self.lent[sum_id]
+                for rsum in lent[1]:
+                    rsum.sending.release()
+        gaps = self.gaps.setdefault(peer, set())
         if reply.op == Op.ACK and not reply.meta.get("inline"):
-            for rsum in found[1]:
-                rsum.sending.release()
+            gaps.difference_update(rsum.seq for rsum in sums)
+            self.applied[peer] = max(self.applied.get(peer, 0), through)
+        else:
+            if peer not in self.inline:
+                self.inline.add(peer)
+                log.warning("%s: %s cannot read round sums in shared memory; they go inline from now on",
+                            self.server.name, peer)
+            self.lent.pop(reply.id, None)
+            for rsum in shared:
+                rsum.at = None      # (one it did read is not applied twice: its round is closed there)
+                gaps.add(rsum.seq)
+            self.applied[peer] = max(self.applied.get(peer, 0), through)
+            if shared:
+                self._send_sums(peer, shared, through)
+        self._answer_waiting(peer)
+
+    def _done_through(self, peer):
+        """The number up to which `peer` has applied every round sum made for it."""
+        gaps = self.gaps.get(peer)
+        applied = self.applied.get(peer, 0)
+        return min(applied, min(gaps) - 1) if gaps else applied
+
+    def _answer_waiting(self, peer):
+        waiting = self.waiting.get(peer)
+        if not waiting:
             return
-        if peer not in self.inline:
-            self.inline.add(peer)
-            log.warning("%s: %s cannot read round sums in shared memory; they go inline from now on",
-                        self.server.name, peer)
-        for rsum in found[1]:
-            rsum.at = None     # (a sum it did read is not applied twice: its round is closed there)
-        self._send_sums(peer, found[1])
+        done = self._done_through(peer)
+        while waiting and waiting[0][0] <= done:
+            key = waiting.popleft()[1]
+            fwd = self.pending.get(key)
+            if fwd is not None and fwd.answer is not None and fwd.peer == peer:
+                self._release(key, fwd)
 
     def cancel(self, fwd):
         """The handler refused the request: no copy goes, and its ERROR is sent at once."""
@@ -292,28 +337,38 @@ class Chain:
     def send(self, fwd):
         self._connect(fwd.peer)
         self.forwarded += 1
-        self.server.van.send(fwd.peer, fwd.header, fwd.payloads)
+        self.server.van.send(fwd.peer, fwd.header, fwd.payloads, bundle=True)
 
     def hold(self, routing_id, request, reply, payloads, on_tracker=None):
         """True when this reply must wait for the successor (it is kept; payloads that view slot
         values count as being sent from now on, so the store copies a value before it changes one,
         Store._own); False: send it now (possibly as the successor's ERROR, which `reply` then is)."""
-        fwd = self.pending.get((request.src, request.id))
+        key = (request.src, request.id)
+        fwd = self.pending.get(key)
         if fwd is None or fwd.answer is not None:
             return False
-        if not fwd.acked:
-            tracker = Held()
-            if on_tracker is not None:
-                on_tracker(tracker)
-            fwd.answer = (routing_id, request, reply, list(payloads), tracker)
-            return True
-        del self.pending[(request.src, request.id)]
-        return False
+        if fwd.deferred and not fwd.acked:
+            # Its rounds have closed here, so their sums are made (on_round comes before the
+            # replies): once the successor has applied every sum made so far, it has them all
+            # (and the copy, which went before them on the same connection).
+            needs = self.seq.get(fwd.peer, 0)
+            if needs <= self._done_through(fwd.peer) and fwd.error is None:
+                del self.pending[key]
+                return False
+            self.waiting.setdefault(fwd.peer, collections.deque()).append((needs, key))
+        elif fwd.acked:
+            del self.pending[key]
+            return False
+        tracker = Held()
+        if on_tracker is not None:
+            on_tracker(tracker)
+        fwd.answer = (routing_id, request, reply, list(payloads), tracker)
+        return True
 
     def acked(self, peer, reply):
-        """A successor answered a copy, or a round sum it read in our memory (I/O thread)."""
+        """A successor answered a copy (a deferred one only when it refused it), or a ROUND (I/O thread)."""
         if reply.meta.get("for") == self.server.name:
-            return self.sum_read(peer, reply)
+            return self.round_applied(peer, reply)
         key = (reply.meta.get("for"), reply.id)
         fwd = self.pending.get(key)
         if fwd is None or fwd.peer != peer:
@@ -348,11 +403,15 @@ class Chain:
         self._successors = {}
         if "servers" in meta:
             self.server.membership = dict(self.server.membership, servers=meta["servers"])
-        for sum_id, (peer, sums) in list(self.sums.items()):
-            if int(peer[1:]) in self.dead:   # it will never read that memory: ours again
-                del self.sums[sum_id]
-                for rsum in sums:
-                    rsum.sending.release()
+        for table in (self.sums, self.lent):
+            for sum_id, (peer, sums, *_) in list(table.items()):
+                if int(peer[1:]) in self.dead:   # it will never read that memory: ours again
+                    del table[sum_id]
+                    for rsum in sums:
+                        rsum.sending.release()
+        for rank in self.dead:
+            for table in (self.waiting, self.gaps):
+                table.pop(node_name("server", rank), None)
         for rank in self.dead:          # a DEALER would keep what is queued for it for good
             peer = node_name("server", rank)
             if peer in self.connected:

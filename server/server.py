@@ -230,10 +230,12 @@ class Server(Node):
         self._redirect = {}                     # (client, id) -> (routing id, request): who asked last
         self._ranks = {}                        # worker name -> its rank (names checked once)
         self._sum_readers = {}                  # (server name, pid) -> Reader of its value segments (ROUND)
-        # values adopted from those segments: (server name, key, part) -> (server name, ROUND id); and
-        # the ROUNDs not answered until none of their sums is a value: (name, id) -> [routing id, ACK, count]
+        # values adopted from those segments: (server name, key, part) -> (server name, ROUND id); per
+        # ROUND, how many of its sums are values here: (name, id) -> count; and per server, the ROUNDs
+        # none of whose sums is any more, for its next answer to say (meta released)
         self.borrowed = {}
         self.lent = {}
+        self.released = {}
 
     def serve(self):
         self.start()
@@ -379,10 +381,13 @@ class Server(Node):
 
     def send_answer(self, routing_id, request, reply, payloads=(), on_tracker=None):
         client = self._client(request, routing_id)
+        silent = False
         if request.meta.get("chain"):
             reply.meta = dict(reply.meta or {}, **{"for": request.src})
             if request.meta.get("deferred") and self.chain is not None:
                 self.chain.places.pop((request.src, request.id), None)
+                # the answers to the ROUNDs that brought its sums answer it (server/replication.py)
+                silent = reply.op != Op.ERROR
         # values may be big, and change; a PUSHPULL copy along a chain is answered as its push
         recompute = reply.op in (Op.VALUE, Op.STATS) or (request.op == Op.PUSHPULL and reply.op == Op.ACK)
         self.window.answered(client, request.id, RECOMPUTE if recompute else reply)
@@ -392,7 +397,9 @@ class Server(Node):
                 routing_id, again = asked
                 if request.op == Op.PUSHPULL and reply.op == Op.ACK and not again.meta.get("chain"):
                     return self._again(routing_id, again, (), self._worker(again.src), RECOMPUTE)
-                reply = self._for(again, reply)
+                reply, silent = self._for(again, reply), False
+        if silent:
+            return
         self.van.reply(routing_id, reply, payloads, on_tracker=on_tracker)
         if self.telemetry is not None:      # after the reply went: counting never delays one
             self._observe(request, reply)
@@ -724,13 +731,13 @@ class Server(Node):
 
     def _round(self, routing_id, header, payloads):
         """ROUND: the sums of sync rounds that the server before this one in the chain closed, for
-        the rounds that the copies of their pushes opened here (server/replication.py). A ROUND of
-        payloads only is not answered: the copies are. Sums that lie in the sender's value segments
-        are read there: without an update rule each becomes the key's value as it is (the store
-        adopts it, no copy), else the rule reads it. The ROUND is answered, so the sender may write
-        that memory again, once no value here is any of its sums any more: at once, or when the next
-        ROUND brings those keys' next sums. Or it is answered that they could not be read, and the
-        sender sends them inline."""
+        the rounds that the copies of their pushes opened here (server/replication.py). Sums that
+        lie in the sender's value segments are read there: without an update rule each becomes the
+        key's value as it is (the store adopts it, no copy), else the rule reads it. The answer
+        says they are applied, so the sender answers the workers whose pushes they hold (their
+        copies get no answer of their own), and which earlier ROUNDs' memory no value here is any
+        more (released), so the sender may write it again. Or it says that those in the sender's
+        memory could not be read, and the sender sends them inline."""
         role, _ = parse_name(header.src)
         if self.chain is None or not self.chain.defer or role != "server":
             raise ProtocolError(f"ROUND from {quote(header.src)}: only a server of a sync job with one replica "
@@ -770,29 +777,31 @@ class Server(Node):
             if adopt:
                 self.borrowed[(header.src, e.key, e.part)] = (header.src, header.id)
                 adopted += 1
-        if not places:
-            return
+        released = self.released.setdefault(header.src, [])
+        if adopted:
+            self.lent[(header.src, header.id)] = adopted
+        elif places:
+            released.append(header.id)
         meta = {"for": header.src}
+        if released:
+            meta["released"], self.released[header.src] = released, []
         if why is not None:
             meta["inline"] = True
             self.van.complaints(log, logging.WARNING, "%s: cannot read %s's round sums in shared memory (%s); "
                                 "asking for them inline", self.name, header.src, escape(why))
-        answer = Header(Op.ACK, header.id, self.name, meta=meta)
-        if adopted:
-            self.lent[(header.src, header.id)] = [routing_id, answer, adopted]
-        else:
-            self.van.reply(routing_id, answer)
+        self.van.reply(routing_id, Header(Op.ACK, header.id, self.name, meta=meta))
 
     def _give_back(self, lent):
         """A value that was a sum in the memory of another server ((its name, ROUND id), or None)
-        is no longer one: answer that ROUND once none of its sums is."""
-        entry = self.lent.get(lent)
-        if entry is None:
+        is no longer one: once none of that ROUND's sums is, the next answer to it says so."""
+        left = self.lent.get(lent)
+        if left is None:
             return
-        entry[2] -= 1
-        if not entry[2]:
+        if left > 1:
+            self.lent[lent] = left - 1
+        else:
             del self.lent[lent]
-            self.van.reply(entry[0], entry[1])
+            self.released.setdefault(lent[0], []).append(lent[1])
 
     def _sum_reader(self, header):
         """(Reader of the sender's value segments, after mapping those a ROUND offers; why they

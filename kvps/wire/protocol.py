@@ -84,6 +84,7 @@ class Op(enum.IntEnum):
     # data: server -> server (chain replication)
     STATE = 36
     ROUND = 37
+    BUNDLE = 38
     # data: worker -> worker
     RING = 40
 
@@ -277,9 +278,12 @@ SCHEMA = {
         "checksum": Field(INT, "SAVE replies: the CRC-32 of its header, which holds each tensor's CRC-32",
                           required=False),
         "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is; replies "
-                          "to a ROUND read in shared memory name its sender", required=False),
-        "inline": Field(BOOL, "ROUND replies: its sum could not be read in the sender's memory; send it, and "
+                          "to a ROUND name its sender", required=False),
+        "inline": Field(BOOL, "ROUND replies: its sums in the sender's memory could not be read; send them, and "
                               "every later one, inline", required=False),
+        "released": Field(ListOf(INT), "ROUND replies: ids of ROUNDs whose sums in the sender's memory the "
+                                       "replier no longer reads (the sender may write that memory again)",
+                          required=False),
     }),
     Op.ERROR: Message("reply", "the request failed; the receiver raises the kind's exception with the message", {
         "kind": Field(STR, "value, key, protocol, node or error (kvps.errors.REMOTE_KINDS)"),
@@ -371,11 +375,17 @@ SCHEMA = {
                         "[worker, highest id forgotten, ids answered, ids answered with values] of the range's "
                         "requests (kvps/wire/window.py): asked again, they are not applied twice"),
     }),
+    Op.BUNDLE: Message("server -> server", "several messages to one peer in one (chain replication: a "
+                                           "server's copies, ROUNDs and their answers of one I/O turn); its "
+                                           "frames are theirs, one after the other, each handled as if it "
+                                           "came alone", {
+        "counts": Field(ListOf(INT), "the number of frames of each message (its header and payloads), in order"),
+    }),
     Op.ROUND: Message("server -> server", "chain replication with one replica, sync: the sums of rounds the "
                                           "sender closed while it handled one request, an entry each, for the "
                                           "rounds that the deferred copies of their pushes opened at the receiver "
-                                          "(server/replication.py); answered only when it names shared memory "
-                                          "(the copies are)", {
+                                          "(server/replication.py); answered once applied (the deferred copies "
+                                          "get no answer of their own)", {
         "home": Field(INT, "the home rank of the entries' key ranges"),
         "rounds": Field(ListOf(INT), "per entry, the key's version once its round is applied (its rounds "
                                      "closed so far)"),
@@ -665,12 +675,15 @@ def _entry(e):
 
 
 def unpack(frames):
-    """Split a received multipart message into (Header, payload frames) and check the payload sizes."""
+    """Split a received multipart message into (Header, payload frames) and check the payload sizes
+    (a BUNDLE's payloads are the frames of its messages: see unbundle)."""
     if not (len(frames) >= 1):
         raise ProtocolError("empty message")
     first = frames[0]
     header = decode(first.buffer if hasattr(first, "buffer") else first)
     payloads = frames[1:]
+    if header.op is Op.BUNDLE:
+        return header, payloads
     carrying = [e for e in header.keys if e[4] > 0]
     want = len(carrying)
     if not (len(payloads) == want):
@@ -688,6 +701,25 @@ def unpack(frames):
                                 f"but {BY_CODE[entry.dtype]} {_show(entry.shape)} needs "
                                 f"{count * BY_CODE[entry.dtype].itemsize}")
     return header, payloads
+
+
+def bundle(name, messages):
+    """The frames of one BUNDLE from `name` carrying `messages` (each a list of frames: header first)."""
+    header = Header(Op.BUNDLE, 0, name, meta={"counts": [len(m) for m in messages]})
+    return [header.encode(), *(frame for m in messages for frame in m)]
+
+
+def unbundle(header, payloads):
+    """The frames of each message of a BUNDLE, in order; raises ProtocolError when its counts do not
+    cut its frames into messages of at least one frame."""
+    counts = header.meta["counts"]
+    if sum(counts) != len(payloads) or any(c < 1 for c in counts):
+        raise ProtocolError(f"BUNDLE counts {_show(counts)} do not cut its {len(payloads)} frames into messages")
+    out, at = [], 0
+    for count in counts:
+        out.append(payloads[at:at + count])
+        at += count
+    return out
 
 
 def as_array(frame, entry):

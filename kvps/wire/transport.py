@@ -33,6 +33,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvps.wire import protocol
 from kvps.wire import auth, connections, local
 from kvps.wire.auth import Curve
+from kvps.wire.protocol import Op
 from kvps.wire.schedule import Schedule
 from kvps.wire.throttle import LogThrottle, escape
 from kvps.errors import KVPSError, ProtocolError, describe, error_kind
@@ -211,7 +212,7 @@ class Van:
         """Close the DEALER to a peer, dropping what is queued to it (a dead peer never takes it)."""
         self._submit(("disconnect", peer), None)
 
-    def send(self, peer, header, payloads=(), on_sent=None, priority=None):
+    def send(self, peer, header, payloads=(), on_sent=None, priority=None, bundle=False):
         """Send a message to a connected peer over its DEALER. Raises KVPSError once stopped.
 
         on_sent() is called once zmq no longer reads any of the payloads, whether they were sent,
@@ -219,9 +220,14 @@ class Van:
         on. It runs on the I/O thread or on pyzmq's garbage-collector thread: keep it short.
 
         With a priority (data messages), the message may overtake waiting ones of lower priority
-        (see kvps/wire/schedule.py); without one, it keeps its place after them."""
+        (see kvps/wire/schedule.py); without one, it keeps its place after them. `bundle` (a peer
+        that is a kvps daemon): it may go in one BUNDLE with the others to that peer that the I/O
+        thread sends in the same turn, in their order (one zmq message instead of several)."""
         frames = [header.encode(), *payloads]
-        if self._schedule is not None and priority is not None:
+        if bundle:
+            done = None if on_sent is None else _watch(frames, on_sent)
+            item = ("bundle", ("send", peer), frames, done)
+        elif self._schedule is not None and priority is not None:
             sizes = (memoryview(f).nbytes for f in payloads if not isinstance(f, bytes))
             big = sum(n for n in sizes if n >= COPY_BYTES)
             keys = tuple({entry.key for entry in header.keys})
@@ -281,14 +287,17 @@ class Van:
         waiting = len(self._queue) + (len(self._schedule) if self._schedule is not None else 0)
         return waiting, self._inflight
 
-    def reply(self, routing_id, header, payloads=(), on_tracker=None):
+    def reply(self, routing_id, header, payloads=(), on_tracker=None, bundle=False):
         """Send a message back to a client of the ROUTER.
 
         on_tracker(tracker) is called (on the I/O thread) when a payload is big
-        enough to be sent without copying, with a zmq MessageTracker for it.
+        enough to be sent without copying, with a zmq MessageTracker for it. `bundle` (a client
+        that is a kvps daemon, no on_tracker): as in send().
         """
         frames = [header.encode(), *payloads]
-        if not self._queue and not self._closed and threading.current_thread() is self._thread:
+        if bundle:
+            self._submit(("bundle", ("reply", routing_id), frames, None), None)
+        elif not self._queue and not self._closed and threading.current_thread() is self._thread:
             self._reply_now(routing_id, frames, on_tracker)     # a handler's reply: nothing to wait behind
         else:
             self._submit(("reply", routing_id, frames, on_tracker), None)
@@ -406,9 +415,18 @@ class Van:
         return release
 
     def _flush(self):
+        bundles = {}        # ("send", peer) or ("reply", routing id) -> [(frames, done)] in order
         while self._queue:
             item = self._queue.popleft()
             kind = item[0]
+            if kind == "bundle":
+                bundles.setdefault(item[1], []).append(item[2:])
+                continue
+            if bundles and kind in ("data", "send", "reply"):
+                # what waits to go to the same peer goes first
+                waiting = bundles.pop(("reply" if kind == "reply" else "send", item[1]), None)
+                if waiting:
+                    self._send_bundle(("reply" if kind == "reply" else "send", item[1]), waiting)
             if kind == "data":
                 self._schedule.add(item[1], item[4], item[5], item[6], item[1:4])
             elif kind == "send":
@@ -430,8 +448,30 @@ class Van:
             elif kind == "stop":
                 self._running = False
             del item, kind      # payloads die here, not at the next message (see _watch)
+        for to, waiting in bundles.items():
+            self._send_bundle(to, waiting)
+        bundles = waiting = None
         if self._schedule:
             self._send_scheduled()
+
+    def _send_bundle(self, to, messages):
+        """Send [(frames, done)] to `to` (("send", peer) or ("reply", routing id)): one as it is,
+        several in one BUNDLE."""
+        if len(messages) == 1:
+            frames, done = messages[0]
+        else:
+            frames = protocol.bundle(self.name, [m[0] for m in messages])
+            dones = [m[1] for m in messages if m[1] is not None]
+
+            def done():
+                for fn in dones:
+                    fn()
+        if to[0] == "send":
+            self._send_now(to[1], frames, done)
+        else:
+            self._reply_now(to[1], frames, None)
+            if done is not None:
+                done()
 
     def _send_scheduled(self):
         """Hand zmq the waiting data messages that fit the credit window (all of them once stopping)."""
@@ -583,23 +623,45 @@ class Van:
                 else:
                     source = ("peer", self._peer_of[sock])
                 header, payloads = protocol.unpack(frames)
-                if from_router and self._curve is not None:
-                    why = self._curve.impostor(frames[0], header)   # (logged there, once per key and name)
-                    if why:         # a job member speaking as another: answered, never handled
-                        err = protocol.error_header(header.id, self.name, "protocol", f"{self.name} refused it: {why}")
-                        self._reply_now(source[1], [err.encode()], None)
-                        header = payloads = frames = None
-                        continue
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("%s <- %r", self.name, header)
-                try:
-                    self._handler(source, header, payloads)
-                finally:
-                    if self.telemetry is not None:      # counted once handled: its replies went first
-                        self.telemetry.received(source, header, frames)
+                if header.op is Op.BUNDLE:
+                    messages, header = protocol.unbundle(header, payloads), None
             except Exception as exc:
                 self._bad(source, frames, exc, header)
+                header = payloads = frames = None
+                continue
+            if header is not None:
+                self._take(source, frames, header, payloads, from_router)
+            else:
+                for frames in messages:
+                    try:
+                        header, payloads = protocol.unpack(frames)
+                        if header.op is Op.BUNDLE:
+                            raise ProtocolError("a BUNDLE inside a BUNDLE")
+                    except Exception as exc:
+                        self._bad(source, frames, exc, None)
+                        continue
+                    self._take(source, frames, header, payloads, from_router)
+                messages = None
             header = payloads = frames = None      # payloads die here, not at the next message
+
+    def _take(self, source, frames, header, payloads, from_router):
+        """Hand one decoded message to the handler (on the I/O thread; see _drain)."""
+        try:
+            if from_router and self._curve is not None:
+                why = self._curve.impostor(frames[0], header)   # (logged there, once per key and name)
+                if why:         # a job member speaking as another: answered, never handled
+                    err = protocol.error_header(header.id, self.name, "protocol", f"{self.name} refused it: {why}")
+                    self._reply_now(source[1], [err.encode()], None)
+                    return
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s <- %r", self.name, header)
+            try:
+                self._handler(source, header, payloads)
+            finally:
+                if self.telemetry is not None:      # counted once handled: its replies went first
+                    self.telemetry.received(source, header, frames)
+        except Exception as exc:
+            self._bad(source, frames, exc, header)
 
     def _bad(self, source, frames, exc, header=None):
         """A message that did not decode (header None) or whose handler raised: log it (throttled,

@@ -241,3 +241,31 @@ def test_limit_messages_sets_maxmsgsize_on_the_vans_sockets():
         assert van._router.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
     finally:
         van.stop()
+
+
+def test_a_bundle_that_lies_about_its_frames_or_nests_gets_errors_and_the_van_serves_on():
+    handled = []
+
+    def handler(source, header, payloads):
+        handled.append(header.id)
+        van.reply(source[1], Header(Op.ACK, header.id, "T"))
+    van = Van("T", handler)
+    port = van.bind("127.0.0.1")
+    van.start()
+    sock = _client(port)
+    ping = [Header(Op.HEARTBEAT, 7, "W0").encode()]
+    try:
+        lying = Header(Op.BUNDLE, 3, "W0", meta={"counts": [1, 2]}).encode()
+        sock.send_multipart([lying, *ping])                 # counts say 3 frames; it carries 1
+        reply = protocol.decode(sock.recv())
+        assert reply.op == Op.ERROR and reply.id == 3 and "do not cut its 1 frames" in reply.meta["message"]
+        nested = protocol.bundle("W0", [ping, protocol.bundle("W0", [ping])])
+        sock.send_multipart(nested)                         # the good one is handled, the nested refused
+        replies = [protocol.decode(sock.recv()) for _ in range(2)]
+        assert [r.op for r in replies] == [Op.ACK, Op.ERROR] and "inside a BUNDLE" in replies[1].meta["message"]
+        sock.send_multipart(ping)
+        assert protocol.decode(sock.recv()).op == Op.ACK
+    finally:
+        sock.close(0)
+        van.stop()
+    assert handled == [7, 7]

@@ -263,3 +263,42 @@ def test_ring_chunks_that_come_before_the_ring_wait_for_it():
         assert got == [0, 1, 2, 3]
     finally:
         node.van.stop()
+
+
+def test_messages_sent_in_one_turn_go_in_one_bundle_and_are_handled_in_order():
+    """A server's copies and ROUNDs to the next server of a chain (bundle=True) that its I/O thread
+    sends in one turn go as one BUNDLE; the receiver handles each as if it came alone, in order,
+    the plain ones around them keeping their places."""
+    got, wires = [], []
+    sink = Van("sink", lambda source, header, payloads: got.append((header.id, [bytes(p) for p in payloads])))
+    port = sink.bind("127.0.0.1")
+    sink.start()
+    van = Van("V", lambda *a: None)
+    van.connect("S1", "127.0.0.1", port)
+    van.start()
+    sent = threading.Event()
+    try:
+        def turn():                       # on the I/O thread, as a server's handler sends
+            for i in range(1, 4):
+                header, payloads = data(10 * i)
+                header.id = i
+                van.send("S1", header, payloads, bundle=True, on_sent=sent.set if i == 3 else None)
+            plain, _ = data(0)
+            plain.id = 4
+            van.send("S1", plain)         # the bundle so far goes before it
+            header, payloads = data(7)
+            header.id = 5
+            van.send("S1", header, payloads, bundle=True)
+        original = van._send_now
+        van._send_now = lambda peer, frames, done: (wires.append(len(frames)), original(peer, frames, done))
+        van.call_soon(turn)
+        deadline = time.monotonic() + 10
+        while len(got) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [i for i, _ in got] == [1, 2, 3, 4, 5]
+        assert [len(p[0]) for _, p in got[:3]] == [10, 20, 30] and got[4][1] == [bytes(np.ones(7, np.uint8))]
+        assert wires == [1 + 3 * 2, 1, 2]     # a BUNDLE of three (header, payload) pairs; then one each
+        assert sent.wait(10)
+    finally:
+        van.stop()
+        sink.stop()
