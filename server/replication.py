@@ -54,6 +54,7 @@ from kvps.wire.shm import LINK_META, ShmRefused, inlined
 
 log = logging.getLogger("kvps.server")
 
+EARLY_BYTES = 1 << 16      # a PUSHPULL reply with this many bytes of payloads sends them before its push is replicated
 FORWARDED = frozenset({Op.INIT, Op.PUSH, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.LOAD})
 DEFERRED = frozenset({Op.PUSH, Op.PUSHPULL})        # copied without values where the chain defers
 LOCAL_META = (*LINK_META, "pull")       # about the worker's link to this server: not for the next one
@@ -356,6 +357,14 @@ class Chain:
                 del self.pending[key]
                 return False
             self.waiting.setdefault(fwd.peer, collections.deque()).append((needs, key))
+            if request.op == Op.PUSHPULL and reply.op == Op.VALUE and _nbytes(payloads) >= EARLY_BYTES:
+                # The pull's values go now, so their bytes need not wait for the sum's way to the
+                # successor; the acknowledgement of the push waits (the worker's call ends with it,
+                # and a worker that must ask a new head asks for both again). Not for values in
+                # shared memory or small ones: there the extra message costs more than it saves.
+                early = Header(reply.op, reply.id, reply.src, reply.keys, dict(reply.meta or {}, held=True))
+                self.server.van.reply(routing_id, early, payloads, on_tracker=on_tracker)
+                reply, payloads, on_tracker = Header(Op.ACK, request.id, self.server.name), (), None
         elif fwd.acked:
             del self.pending[key]
             return False
@@ -445,3 +454,6 @@ class Chain:
             self.server.van.connect(peer, host, port)
             self.connected.add(peer)
 
+
+def _nbytes(payloads):
+    return sum(memoryview(p).nbytes for p in payloads)

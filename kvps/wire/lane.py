@@ -302,7 +302,8 @@ class Lane:
                 continue
             if telemetry is not None:
                 telemetry.received(("peer", peer), header, frames)
-            entry = self._pending.pop(header.id, None)
+            held = header.meta.get("held")      # its values; the acknowledgement follows
+            entry = self._pending.get(header.id) if held else self._pending.pop(header.id, None)
             if entry is None:
                 continue            # the reply to a request whose wait timed out
             handle, _, on_reply, _, _ = entry
@@ -315,6 +316,9 @@ class Lane:
                     on_reply(header, payloads)
                 except Exception as exc:    # a bad reply fails this call, not the lane
                     error = exc
+            if held and error is None:
+                continue
+            self._pending.pop(header.id, None)
             handle._answered(header.id, error)
 
     def _drop(self, peer, exc):

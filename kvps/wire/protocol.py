@@ -344,6 +344,8 @@ SCHEMA = {
                                       "float32 (a float32 entry travels as it is)", required=False),
         "delta": Field(BOOL, "compressed pull: the entries are changes to add to the worker's copy (weights); "
                              "false: the values themselves (a sync round's merged update)", required=False),
+        "held": Field(BOOL, "chain replication: a PUSHPULL's values, sent before its push is applied at every "
+                            "replica; the request is answered by the ACK that follows, same id", required=False),
     }),
     Op.ATTACH: Message("worker -> server", "map a shared-memory segment of this co-located worker "
                                            "(kvps/wire/shm.py); answered with ACK, or ERROR: use TCP", {

@@ -231,13 +231,19 @@ class Requests:
         return header, payloads
 
     def answer(self, header, payloads):
-        """Match a reply to its request (I/O thread). Returns False for an unknown id."""
+        """Match a reply to its request (I/O thread). Returns False for an unknown id. A reply with
+        meta `held` (chain replication) brings the request's values, and its acknowledgement comes
+        later, same id: the request is answered then (it is sent again to a new head meanwhile)."""
+        held = header.meta.get("held")
         with self._lock:
-            entry = self._pending.pop(header.id, None)
-            if self._resend:
-                self._resend.pop(header.id, None)
-            if self._control:
-                self._control.pop(header.id, None)
+            if held:
+                entry = self._pending.get(header.id)
+            else:
+                entry = self._pending.pop(header.id, None)
+                if self._resend:
+                    self._resend.pop(header.id, None)
+                if self._control:
+                    self._control.pop(header.id, None)
         if entry is None:
             return False
         handle, peer, on_reply = entry
@@ -251,6 +257,12 @@ class Requests:
                 on_reply(header, payloads)
             except Exception as exc:   # a bad reply fails this call, not the I/O thread
                 error = exc
+        if held:
+            if error is None:
+                return True
+            with self._lock:
+                self._pending.pop(header.id, None)
+                self._resend.pop(header.id, None)
         handle._answered(header.id, error)
         return True
 
