@@ -181,6 +181,29 @@ print(json.dumps({"final": {k: sorted(set(v.reshape(-1).tolist())) for k, v in o
         assert out["final"] == {"a": [total], "b": [total], "big": [total], "wide": [total]}, out
 
 
+def test_two_replicas_survive_two_deaths_and_the_weights_are_exact(cluster):
+    """KVPS_REPLICAS=2 on 3 servers: every copy carries its values (those a worker put in shared
+    memory go inline), and after S1 and then S2 are killed S0 holds every range; the weights equal
+    a clean run's bit for bit."""
+    steps = 30
+    env = dict(ENV, KVPS_REPLICAS="2")
+    clean = cluster(2, 3, env=env)
+    clean.run_workers(SCRIPT, timeout=90, env={"STEPS": str(steps)})
+    expected = _final(clean)
+
+    c = cluster(2, 3, env=env)
+    procs = c.spawn_workers(SCRIPT, env={"STEPS": str(steps), "PAUSE": "0.05"})
+    wait_for(lambda: sum("step" in line for line in c.output("W0")) >= 5, 60, "W0 to reach step 5")
+    c.proc("S1").kill()
+    wait_for(lambda: "S1 died" in (c.dir / "H.err").read_text() or "go on at their replicas" in
+             (c.dir / "H.err").read_text(), 10, "S1's failover")
+    wait_for(lambda: sum("step" in line for line in c.output("W0")) >= 12, 60, "W0 to reach step 12")
+    c.proc("S2").kill()
+    c.wait(procs, 90)
+    assert [p.returncode for p in procs] == [0, 0], c.logs()
+    assert _final(c) == expected
+
+
 def test_more_deaths_than_replicas_end_the_job_clearly(cluster):
     c = cluster(2, 3, env=ENV)
     procs = c.spawn_workers(SCRIPT, env={"STEPS": "100000", "PAUSE": "0.05"})
