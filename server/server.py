@@ -750,27 +750,19 @@ class Server(Node):
             if not 0 <= index < count or index in places or header.keys[index].nbytes:
                 raise ProtocolError(f"ROUND meta at names entry {index} of {count}, twice or with a payload")
             places[index] = (segment, offset)
-        reader, why = self._sum_reader(header) if places else (None, None)
+        views, why = self._sums_shared(header, places)
         frames = iter(payloads)
         adopted = 0
         for index, e in enumerate(header.keys):
-            dtype = numpy_dtype(e.dtype)
             slot = self.store.slots.get((e.key, e.part))
             before = slot.value if slot is not None else None
             if index not in places:
-                total = as_array(next(frames), e) if e.nbytes else np.empty(e.shape, dtype)
+                total = as_array(next(frames), e) if e.nbytes else np.empty(e.shape, numpy_dtype(e.dtype))
                 adopt = self.store.round_sum(e.key, e.part, rounds[index], total)
             elif why is not None:
                 continue                    # the sender sends it again, inline
             else:
-                segment, offset = places[index]
-                try:
-                    total = reader.view(segment, offset, math.prod(e.shape) * dtype.itemsize).view(dtype).reshape(e.shape)
-                except ShmRefused as exc:
-                    # for good: a later sum read here while this one goes inline would come first
-                    why = reader.refused = str(exc)
-                    continue
-                adopt = self.store.round_sum(e.key, e.part, rounds[index], total, adopt=True)
+                adopt = self.store.round_sum(e.key, e.part, rounds[index], views[index], adopt=True)
             if slot is not None and slot.value is not before:
                 # the value it replaced may have been an earlier sum of the sender's: it may have it back
                 self._give_back(self.borrowed.pop((header.src, e.key, e.part), None))
@@ -802,6 +794,27 @@ class Server(Node):
         else:
             del self.lent[lent]
             self.released.setdefault(lent[0], []).append(lent[1])
+
+    def _sums_shared(self, header, places):
+        """({entry index: read-only view} of a ROUND's sums in its sender's value segments, None),
+        or ({}, why they cannot be read there); all or none, so nothing here refers to memory that
+        the sender is told to send again."""
+        if not places:
+            return {}, None
+        reader, why = self._sum_reader(header)
+        if why is not None:
+            return {}, why
+        views = {}
+        for index, (segment, offset) in places.items():
+            e = header.keys[index]
+            dtype = numpy_dtype(e.dtype)
+            try:
+                views[index] = reader.view(segment, offset, math.prod(e.shape) * dtype.itemsize).view(dtype).reshape(e.shape)
+            except ShmRefused as exc:
+                # for good: a later sum read here while this one goes inline would come first
+                reader.refused = str(exc)
+                return {}, reader.refused
+        return views, None
 
     def _sum_reader(self, header):
         """(Reader of the sender's value segments, after mapping those a ROUND offers; why they
