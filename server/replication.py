@@ -282,7 +282,8 @@ class Chain:
         """The next server's answer to a ROUND: it applied those sums, so the replies that waited
         for them go; the sums it names as released are in memory of ours that it no longer reads.
         Or it could not read those in our memory (meta inline): they go again inline, and every
-        later one, and nothing past them counts as applied until they are."""
+        later one, and nothing past them counts as applied until they are. Or it refused them
+        (ERROR): the replies that waited for them go as that error."""
         found = self.sums.pop(reply.id, None)
         if found is None or found[0] != peer:
             return
@@ -297,21 +298,28 @@ class Chain:
                 for rsum in lent[1]:
                     rsum.sending.release()
         gaps = self.gaps.setdefault(peer, set())
-        if reply.op == Op.ACK and not reply.meta.get("inline"):
-            gaps.difference_update(rsum.seq for rsum in sums)
-            self.applied[peer] = max(self.applied.get(peer, 0), through)
-        else:
+        if reply.op == Op.ERROR:
+            # It refused them (a bug, not a dead server): the replies waiting for them say so.
+            log.error("%s: %s refused round sums: %s", self.server.name, peer, reply.meta.get("message"))
+            low = min(rsum.seq for rsum in sums)
+            for needs, key in self.waiting.get(peer, ()):
+                fwd = self.pending.get(key)
+                if needs >= low and fwd is not None:
+                    fwd.error = reply
+        elif reply.meta.get("inline"):
             if peer not in self.inline:
                 self.inline.add(peer)
                 log.warning("%s: %s cannot read round sums in shared memory; they go inline from now on",
                             self.server.name, peer)
-            self.lent.pop(reply.id, None)
+            self.lent.pop(reply.id, None)       # it read none of them (Server._sums_shared)
             for rsum in shared:
-                rsum.at = None      # (one it did read is not applied twice: its round is closed there)
+                rsum.at = None
                 gaps.add(rsum.seq)
-            self.applied[peer] = max(self.applied.get(peer, 0), through)
             if shared:
                 self._send_sums(peer, shared, through)
+        elif gaps:
+            gaps.difference_update(rsum.seq for rsum in sums)
+        self.applied[peer] = max(self.applied.get(peer, 0), through)
         self._answer_waiting(peer)
 
     def _done_through(self, peer):

@@ -382,7 +382,9 @@ class Server(Node):
     def send_answer(self, routing_id, request, reply, payloads=(), on_tracker=None):
         client = self._client(request, routing_id)
         silent = False
-        if request.meta.get("chain"):
+        if request.op == Op.ROUND:              # its sender's chain hears of it (Chain.round_applied)
+            reply.meta = dict(reply.meta or {}, **{"for": request.src})
+        elif request.meta.get("chain"):
             reply.meta = dict(reply.meta or {}, **{"for": request.src})
             if request.meta.get("deferred") and self.chain is not None:
                 self.chain.places.pop((request.src, request.id), None)

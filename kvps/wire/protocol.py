@@ -288,7 +288,8 @@ SCHEMA = {
     Op.ERROR: Message("reply", "the request failed; the receiver raises the kind's exception with the message", {
         "kind": Field(STR, "value, key, protocol, node or error (kvps.errors.REMOTE_KINDS)"),
         "message": Field(STR, "what was wrong, naming the bad value"),
-        "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is", required=False),
+        "for": Field(STR, "chain replication: replies to a copy name the worker whose request it is; to a "
+                          "ROUND, its sender", required=False),
     }),
     Op.NODE_LEFT: Message("H -> all", "a worker left on purpose (FINALIZE); not a failure", {
         "node": Field(STR, "the name of the worker that left"),
