@@ -20,17 +20,23 @@ and range whether they came from the worker or along the chain.
 With one replica in a sync job (`Chain.defer`) a copy of a PUSH or PUSHPULL goes without its values
 ("deferred"): its pushes hold their places in the replica's rounds (kvps/ps/store.py: Deferred), and
 when the head closes a round it sends the round's sum once (ROUND) instead of every worker's values:
-a chain link carries M bytes a round instead of W·M, and the replica copies one sum instead of
-adding W arrays. The replica applies that sum as its own round's, so both hold the same bits. If the
-head dies first, the workers send their unanswered requests to the replica, as below, and their
-values fill the places the copies hold (Server._fill): the round closes with the same pushes, in the
-same order, as at the head. Where the next server is on the same host the sum does not cross the
-socket: it lies in the head's value segments (kvps/wire/shm.py: Values), the ROUND names where, the
-next server copies it out (mapped read-only, as a co-located worker reads its pulls) and answers,
-and the head writes that memory again only after the answer. With R >= 2 the copies keep their
-values (a middle server's death would need its head to keep each round's sum until the tail had it).
+a chain link carries M bytes a round instead of W·M, and the replica takes one sum instead of
+adding W arrays. The replica applies that sum as its own round's, so both hold the same bits. The
+sums of the rounds one request closed go in one ROUND; the replica answers a ROUND once it has
+applied it, and that answer stands for the deferred copies too (they went before it on the same
+connection and get no answer of their own): a worker's reply waits until the replica has applied
+every sum made so far (`hold`, `round_applied`). If the head dies first, the workers send their
+unanswered requests to the replica, as below, and their values fill the places the copies hold
+(Server._fill): the round closes with the same pushes, in the same order, as at the head. Where the
+next server is on the same host the sum does not cross the socket: it lies in the head's value
+segments (kvps/wire/shm.py: Values), the ROUND names where, and the next server reads it there
+(mapped read-only, as a co-located worker reads its pulls): without an update rule it takes it as
+its value, no copy. The head writes that memory again only once an answer names the ROUND as
+released. With R >= 2 the copies keep their values (a middle server's death would need its head to
+keep each round's sum until the tail had it).
 
     chain.round(slot, total)                # Store.on_round, as a round closes: the sum to the next server
+    chain.acked(peer, reply)                # its answer to a ROUND (meta "for" names us): round_applied
 
 When a server dies the scheduler says so (SERVERS): every chain closes up, copies waiting on the dead
 one go to the next member (which answers one it has already applied without applying it again), and
@@ -167,7 +173,8 @@ class Chain:
         nxt = self.successor(home)
         if nxt is None:
             return None
-        if self.defer and header.op in DEFERRED:
+        deferred = self.defer and header.op in DEFERRED
+        if deferred:
             meta = {k: v for k, v in header.meta.items() if k not in LOCAL_META and k != "codec"}
             meta["deferred"] = True
             copy = Header(header.op, header.id, header.src, [Entry(*e[:4], 0) for e in header.keys], meta)
@@ -175,7 +182,7 @@ class Chain:
         else:       # the values a co-located worker put in shared memory go inline
             copy, payloads = inlined(header, payloads, self._worker_memory(header), LOCAL_META)
         copy.meta["chain"] = True
-        fwd = Forward(home, node_name("server", nxt), copy, payloads, deferred=bool(copy.meta.get("deferred")))
+        fwd = Forward(home, node_name("server", nxt), copy, payloads, deferred=deferred)
         self.pending[(header.src, header.id)] = fwd
         return fwd
 
@@ -262,6 +269,7 @@ class Chain:
                 meta["segments"] = offers
                 self.offered[peer] = values.count
             self.rounds_shared += len(places)
+
         def sent():             # zmq let go of the payloads
             for rsum in inline:
                 rsum.sending.release()

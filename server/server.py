@@ -230,7 +230,7 @@ class Server(Node):
         self._redirect = {}                     # (client, id) -> (routing id, request): who asked last
         self._ranks = {}                        # worker name -> its rank (names checked once)
         self._sum_readers = {}                  # (server name, pid) -> Reader of its value segments (ROUND)
-        # values adopted from those segments: (server name, key, part) -> (server name, ROUND id); per
+        # values adopted from those segments: (server name, key, part) -> ROUND id; per
         # ROUND, how many of its sums are values here: (name, id) -> count; and per server, the ROUNDs
         # none of whose sums is any more, for its next answer to say (meta released)
         self.borrowed = {}
@@ -767,35 +767,35 @@ class Server(Node):
                 adopt = self.store.round_sum(e.key, e.part, rounds[index], views[index], adopt=True)
             if slot is not None and slot.value is not before:
                 # the value it replaced may have been an earlier sum of the sender's: it may have it back
-                self._give_back(self.borrowed.pop((header.src, e.key, e.part), None))
+                self._give_back(header.src, self.borrowed.pop((header.src, e.key, e.part), None))
             if adopt:
-                self.borrowed[(header.src, e.key, e.part)] = (header.src, header.id)
+                self.borrowed[(header.src, e.key, e.part)] = header.id
                 adopted += 1
-        released = self.released.setdefault(header.src, [])
         if adopted:
             self.lent[(header.src, header.id)] = adopted
-        elif places:
+        released = self.released.pop(header.src, [])
+        if places and not adopted:
             released.append(header.id)
         meta = {"for": header.src}
         if released:
-            meta["released"], self.released[header.src] = released, []
+            meta["released"] = released
         if why is not None:
             meta["inline"] = True
             self.van.complaints(log, logging.WARNING, "%s: cannot read %s's round sums in shared memory (%s); "
                                 "asking for them inline", self.name, header.src, escape(why))
         self.van.reply(routing_id, Header(Op.ACK, header.id, self.name, meta=meta))
 
-    def _give_back(self, lent):
-        """A value that was a sum in the memory of another server ((its name, ROUND id), or None)
-        is no longer one: once none of that ROUND's sums is, the next answer to it says so."""
-        left = self.lent.get(lent)
+    def _give_back(self, server, sum_id):
+        """A value that was a sum of ROUND `sum_id` (or None) in the memory of server `server` (its
+        name) is no longer one: once none of that ROUND's sums is, the next answer to it says so."""
+        left = self.lent.get((server, sum_id))
         if left is None:
             return
         if left > 1:
-            self.lent[lent] = left - 1
+            self.lent[(server, sum_id)] = left - 1
         else:
-            del self.lent[lent]
-            self.released.setdefault(lent[0], []).append(lent[1])
+            del self.lent[(server, sum_id)]
+            self.released.setdefault(server, []).append(sum_id)
 
     def _sums_shared(self, header, places):
         """({entry index: read-only view} of a ROUND's sums in its sender's value segments, None),

@@ -316,9 +316,10 @@ class Lane:
                     on_reply(header, payloads)
                 except Exception as exc:    # a bad reply fails this call, not the lane
                     error = exc
-            if held and error is None:
-                continue
-            self._pending.pop(header.id, None)
+            if held:
+                if error is None:
+                    continue
+                del self._pending[header.id]
             handle._answered(header.id, error)
 
     def _drop(self, peer, exc):

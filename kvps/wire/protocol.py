@@ -394,8 +394,9 @@ SCHEMA = {
                                      "closed so far)"),
         "at": Field(ListOf(Tuple((INT, INT, INT))), "[entry index, segment, offset]: those sums lie in the "
                                                     "sender's value segments (the receiver is on its host), not "
-                                                    "in payloads; the receiver copies them out and answers ACK "
-                                                    "(the sender then writes that memory again)", required=False),
+                                                    "in payloads; the receiver reads them there, and the sender "
+                                                    "writes that memory again once an answer names this ROUND in "
+                                                    "`released`", required=False),
         "segments": Field(ListOf(Tuple((INT, INT, BYTES))), "[segment, fd, nonce]: value segments of the sender "
                                                            "offered for the first time, to map read-only as a "
                                                            "worker maps VALUE's", required=False),

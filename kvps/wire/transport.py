@@ -424,9 +424,10 @@ class Van:
                 continue
             if bundles and kind in ("data", "send", "reply"):
                 # what waits to go to the same peer goes first
-                waiting = bundles.pop(("reply" if kind == "reply" else "send", item[1]), None)
+                to = ("reply" if kind == "reply" else "send", item[1])
+                waiting = bundles.pop(to, None)
                 if waiting:
-                    self._send_bundle(("reply" if kind == "reply" else "send", item[1]), waiting)
+                    self._send_bundle(to, waiting)
             if kind == "data":
                 self._schedule.add(item[1], item[4], item[5], item[6], item[1:4])
             elif kind == "send":
