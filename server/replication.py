@@ -143,6 +143,7 @@ class Chain:
         # the round sums of the request being handled, sent after its copy (Server._replicated), in one
         # ROUND per next server: the copy of a round's last push must reach it before the round's sum
         self.handling = None
+        self.turn = {}                      # (next server, home rank) -> [RoundSum] to send this I/O turn
         # Per next server: the round sums made for it, the highest number up to which it has applied
         # them all (its answers to ROUNDs; `gaps`: numbers it could not read in our memory, sent
         # again inline), and the replies to deferred copies held until it has: [(number, key)]
@@ -213,10 +214,25 @@ class Chain:
             sums, self.handling = self.handling, None
         if fwd is not None:
             self.send(fwd)
-        batches = {}
         for peer, rsum in sums:
-            batches.setdefault((peer, rsum.home), []).append(rsum)
-        for (peer, _), batch in batches.items():
+            if not self.turn:
+                # the I/O thread runs this once it has handled all it read this turn (Van._flush),
+                # so the ROUND goes after every copy queued before it
+                self.server.van.call_soon(self._send_turn)
+            self.turn.setdefault((peer, rsum.home), []).append(rsum)
+
+    def _send_turn(self):
+        """Send the round sums that the requests of one I/O turn made: one ROUND per next server
+        and home rank (was one per request: a server that reads a batch of per-key requests closes
+        a round with most of them). A sum for a server that is no longer next (it died while the
+        turn was handled) is not sent: the chain has closed up (changed)."""
+        turn, self.turn = self.turn, {}
+        for (peer, home), batch in turn.items():
+            nxt = self.successor(home)
+            if nxt is None or node_name("server", nxt) != peer:
+                for rsum in batch:
+                    rsum.sending.release()
+                continue
             self._send_sums(peer, batch)
 
     def round(self, slot, total):

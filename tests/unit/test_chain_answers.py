@@ -16,7 +16,16 @@ pytestmark = pytest.mark.unit
 
 class Van:
     def __init__(self):
-        self.sent, self.replies = [], []
+        self.sent, self.replies, self.calls = [], [], []
+
+    def call_soon(self, fn):
+        self.calls.append(fn)
+
+    def turn_ends(self):
+        """What the I/O thread runs once it has handled what it read (Van._flush)."""
+        calls, self.calls = self.calls, []
+        for fn in calls:
+            fn()
 
     def connect(self, peer, host, port):
         pass
@@ -57,19 +66,21 @@ def _head(shared=False):
     return chain, server, trackers
 
 
-def _push(chain, request_id, closes=True):
-    """W0's PUSH of key "w" handled at the head; `closes`: its round closes (the sum is made and
-    the reply is ready). Returns whether the reply is held."""
-    header = Header(Op.PUSH, request_id, "W0", [Entry.bare("w", 0, 0, (4,))], {"home": 0})
+def _push(chain, request_id, closes=True, key="w", turn_ends=True):
+    """W0's PUSH of `key` handled at the head; `closes`: its round closes (the sum is made and
+    the reply is ready); `turn_ends`: the I/O turn ends after it. Returns whether the reply is held."""
+    header = Header(Op.PUSH, request_id, "W0", [Entry.bare(key, 0, 0, (4,))], {"home": 0})
     fwd = chain.begin(header, [])
     held = []
 
     def handler():
         if closes:
-            slot = types.SimpleNamespace(id=("w", 0), version=request_id)
+            slot = types.SimpleNamespace(id=(key, 0), version=request_id)
             chain.round(slot, np.ones(4, np.float32))
             held.append(chain.hold(b"W0", header, Header(Op.ACK, request_id, "S0"), []))
     chain.handle(fwd, handler)
+    if turn_ends:
+        chain.server.van.turn_ends()
     return held[0] if held else None
 
 
@@ -87,6 +98,27 @@ def test_a_reply_waits_for_the_answer_to_the_round_that_holds_its_push():
     assert [(i, h.op) for i, h in server.answered] == [(1, Op.ACK)]
     # applied already: the next reply is not held at all
     assert chain.hold(b"W0", Header(Op.PUSH, 9, "W0"), Header(Op.ACK, 9, "S0"), []) is False
+
+
+def test_the_sums_of_one_turn_go_in_one_round_after_its_copies():
+    chain, server, _ = _head()
+    assert [_push(chain, i, key=f"k{i}", turn_ends=False) for i in (1, 2, 3)] == [True, True, True]
+    assert _rounds(server) == []                    # not before the turn ends
+    server.van.turn_ends()
+    [round_] = _rounds(server)
+    assert [h.op for _, h in server.van.sent] == [Op.PUSH, Op.PUSH, Op.PUSH, Op.ROUND]
+    assert [e.key for e in round_.keys] == ["k1", "k2", "k3"] and round_.meta["rounds"] == [1, 2, 3]
+    chain.acked("S1", Header(Op.ACK, round_.id, "S1", meta={"for": "S0"}))
+    assert [i for i, _ in server.answered] == [1, 2, 3]
+
+
+def test_a_sum_for_a_replica_that_died_in_the_turn_is_not_sent():
+    chain, server, trackers = _head()
+    _push(chain, 1, turn_ends=False)
+    chain.dead = {1}                               # as changed() leaves it: S1 died, no successor
+    chain._successors = {}
+    server.van.turn_ends()
+    assert _rounds(server) == [] and trackers[0].done
 
 
 def test_sums_in_our_memory_stay_held_until_the_replica_releases_them():
