@@ -198,13 +198,26 @@ def test_fit_recovers_a_line():
 
 def test_validation_table():
     rows = [{"system": "ps", "mode": "pushpull", "model": "wide", "rate": "100mbit", "W": 2, "S": 1,
-             "measured_s": 0.020, "predicted_s": 0.022, "error": None},
+             "measured_s": 0.020, "predicted_s": 0.022, "error": None, "steps": 20, "repeats": 3},
             {"system": "ring", "mode": "pushpull", "model": "wide", "rate": "100mbit", "W": 2, "S": 0,
              "measured_s": None, "predicted_s": 0.010, "error": "boom"}]
     lines = validate.table(rows)
-    assert "| ps | pushpull | wide | 100mbit | 2 | 1 | 20 | 22 | 1.10 | yes |" in lines
-    assert "| ring | pushpull | wide | 100mbit | 2 | - | failed | 10 | - | - |" in lines
+    assert "| ps | pushpull | wide | 100mbit | 2 | 1 | 3 x 20 | 20 | 22 | 1.10 | yes |" in lines
+    assert "| ring | pushpull | wide | 100mbit | 2 | - | - | failed | 10.0 | - | - |" in lines
     assert validate.summary(rows)[:2] == (1, 1)
+
+
+def test_validation_times_short_steps_longer():
+    c = costs_mod.Costs()
+    # ResNet-50 at 1 Gbit/s: steps of most of a second, 3 of them in one job
+    assert validate.plan_runs("ps", 2, 2, 1e9, "resnet50", c) == (validate.MIN_STEPS, 1)
+    # the wide MLP at 1 Gbit/s: steps of milliseconds, as many as fill TIMED_S, in SHORT_REPEATS jobs
+    steps, jobs = validate.plan_runs("ps", 2, 2, 1e9, "wide", c)
+    step_s = validate.predicted("ps", 2, 2, 1e9, "wide", "pushpull", c, validate.MIN_STEPS)
+    assert step_s < validate.SHORT_S and jobs == validate.SHORT_REPEATS
+    assert steps == min(validate.MAX_STEPS, math.ceil(validate.TIMED_S / step_s)) and steps > validate.MIN_STEPS
+    # given, they are kept
+    assert validate.plan_runs("ps", 2, 2, 1e9, "wide", c, steps=5, repeats=2) == (5, 2)
 
 
 # ---- real processes, tiny ----
@@ -245,6 +258,8 @@ def test_calibrate_and_validate_tiny(tmp_path):
 
 
 def test_cli_usage_errors_exit_2():
+    proc = _simulate("validate", "--steps", "0")
+    assert proc.returncode == 2 and "--steps 0 must be at least 1" in proc.stderr
     proc = _simulate("predict", "-n", "2", "--model", "vgg")
     assert proc.returncode == 2 and "model 'vgg'" in proc.stderr
     proc = _simulate("sweep", "--workers", "8..2")

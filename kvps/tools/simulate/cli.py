@@ -98,7 +98,10 @@ def parser():
     v.add_argument("--rate", type=_list("rate"), default=["1gbit", "100mbit"])
     v.add_argument("--model", type=_list("model"), default=["resnet50", "wide"])
     v.add_argument("--systems", type=_list("systems"), default=["ps", "ring"])
-    v.add_argument("--steps", type=int, default=3, help="timed steps of each setup (the median is compared)")
+    v.add_argument("--steps", type=int, default=None, help="timed steps of each setup, whose median is compared "
+                   "(default: enough to fill about 0.2 s by the model, 3 to 60)")
+    v.add_argument("--repeats", type=int, default=None, help="jobs of each setup, whose medians' median is compared "
+                   "(default: 3 where the model's step is under 50 ms, else 1)")
     v.add_argument("--timeout", type=float, default=300.0, help="deadline of each setup's job, seconds")
     v.add_argument("--strict", action="store_true", help="exit 1 unless every setup is within 15%%")
     v.add_argument("--costs", default=None)
@@ -180,13 +183,17 @@ def cmd_sweep(args):
 
 def cmd_validate(args):
     from kvps.tools.emulate import permitted
+    for name in ("steps", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name} {getattr(args, name)} must be at least 1")
     ok, why = permitted()
     if not ok:
         print(f"kvps simulate validate: skipped: {why}", file=sys.stderr)
         return SKIPPED
     costs = _costs(args.costs)
     rows = validate_mod.validate(costs, args.workers, args.servers, args.rate, args.model, args.systems,
-                                 args.steps, args.timeout, say=lambda t: print(t, file=sys.stderr, flush=True))
+                                 args.steps, args.timeout, say=lambda t: print(t, file=sys.stderr, flush=True),
+                                 repeats=args.repeats)
     within, measured, mid = validate_mod.summary(rows)
     lines = validate_mod.table(rows)
     text = "\n".join([f"# kvps simulate validate (costs: {costs.source})", "", *lines, "",
