@@ -22,7 +22,8 @@ With one replica in a sync job (`Chain.defer`) a copy of a PUSH or PUSHPULL goes
 when the head closes a round it sends the round's sum once (ROUND) instead of every worker's values:
 a chain link carries M bytes a round instead of W·M, and the replica takes one sum instead of
 adding W arrays. The replica applies that sum as its own round's, so both hold the same bits. The
-sums of the rounds one request closed go in one ROUND; the replica answers a ROUND once it has
+sums of the rounds that the requests of one I/O turn closed go in one ROUND, after that turn's
+copies (`_send_turn`); the replica answers a ROUND once it has
 applied it, and that answer stands for the deferred copies too (they went before it on the same
 connection and get no answer of their own): a worker's reply waits until the replica has applied
 every sum made so far (`hold`, `round_applied`). If the head dies first, the workers send their
@@ -140,8 +141,8 @@ class Chain:
         # test only: the server so named never sends a round sum, so its replicas' rounds wait for
         # the workers' values once it is killed (tests/cluster/test_replication.py)
         self.hold_sums = os.environ.get("KVPS_TEST_HOLD_ROUNDS")
-        # the round sums of the request being handled, sent after its copy (Server._replicated), in one
-        # ROUND per next server: the copy of a round's last push must reach it before the round's sum
+        # the round sums of the request being handled, sent after its copy (Server._replicated), in the
+        # turn's ROUND to each next server: the copy of a round's last push must reach it before the sum
         self.handling = None
         self.turn = {}                      # (next server, home rank) -> [RoundSum] to send this I/O turn
         # Per next server: the round sums made for it, the highest number up to which it has applied
@@ -201,8 +202,8 @@ class Chain:
         return view
 
     def handle(self, fwd, handler):
-        """Run handler() for a request whose copy is `fwd` (or None), then send the copy, then the
-        sums of the rounds it closed."""
+        """Run handler() for a request whose copy is `fwd` (or None), then send the copy; the sums of
+        the rounds it closed go at the end of the I/O turn (_send_turn)."""
         self.handling = []
         try:
             handler()

@@ -385,7 +385,7 @@ SCHEMA = {
         "counts": Field(ListOf(INT), "the number of frames of each message (its header and payloads), in order"),
     }),
     Op.ROUND: Message("server -> server", "chain replication with one replica, sync: the sums of rounds the "
-                                          "sender closed while it handled one request, an entry each, for the "
+                                          "sender closed in one turn of its I/O thread, an entry each, for the "
                                           "rounds that the deferred copies of their pushes opened at the receiver "
                                           "(server/replication.py); answered once applied (the deferred copies "
                                           "get no answer of their own)", {
