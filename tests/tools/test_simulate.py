@@ -77,7 +77,7 @@ def test_overheads_add_and_compute_overlaps():
     paid = predict(Setup("ps", 2, 1), grads, slow)
     assert free == 0.0 and paid["step_s"] > 0 and paid["busiest"] == "S0.cpu"
     # per message: every one of a round's messages pays four ends; the server's two for every worker
-    msgs = len(step.messages(step.shard(grads, 1, 1 << 20, 4 << 20), [0.0] * len(grads), 4 << 20, True))
+    msgs = len(step.messages(step.shard(grads, 1, 1 << 20, 4 << 20), [0.0] * len(grads), Setup("ps", 2).message_bytes, True))
     assert paid["step_s"] == pytest.approx(1e-3 * (2 * 2 * msgs + 2), rel=0.01)
     # communication that starts during the backward pass hides behind it
     rated = dict(rate=10e9, **FINE)

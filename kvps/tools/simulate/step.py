@@ -72,7 +72,7 @@ class Setup:
     priority: bool = True         # queues serve the first layers first
     compression: float = 1.0      # wire bytes / gradient bytes (0.5: fp16)
     partition_bytes: int = 4 * MB
-    message_bytes: int = 4 * MB
+    message_bytes: int = MB         # KVPS_MESSAGE_BYTES: kvps's messages to another host
     split_bytes: int = MB         # tensors from this size are split over the servers
     fusion_bytes: int = 64 * MB   # ring: bucket size
     chunk_bytes: int = 4 * MB     # ring: a segment travels in pieces of at most this (KVPS_RING_CHUNK_BYTES)
