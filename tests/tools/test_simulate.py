@@ -220,6 +220,19 @@ def test_validation_times_short_steps_longer():
     assert validate.plan_runs("ps", 2, 2, 1e9, "wide", c, steps=5, repeats=2) == (5, 2)
 
 
+def test_jobs_of_a_setup_give_the_median_of_their_medians(monkeypatch):
+    jobs = iter([{"pushpull": 3.0, "push+pull": 9.0}, {"pushpull": 1.0, "push+pull": 7.0},
+                 {"pushpull": 2.0, "push+pull": 8.5}])
+    asked = []
+
+    def measure(system, W, S, rate, model, steps, timeout):
+        asked.append(steps)
+        return next(jobs)
+    monkeypatch.setattr(validate, "measure", measure)
+    assert validate.measure_median("ps", 2, 1, "1gbit", "wide", 40, 3, 60.0) == {"pushpull": 2.0, "push+pull": 8.5}
+    assert asked == [40, 40, 40]
+
+
 # ---- real processes, tiny ----
 def _simulate(*args, timeout=240):
     return subprocess.run([PY, "-m", "kvps.cli", "simulate", *args], cwd=ROOT, env=dict(os.environ, **FAST_ENV),
@@ -244,7 +257,7 @@ def test_calibrate_and_validate_tiny(tmp_path):
     assert set(costs.fan_in_efficiency) == {str(k) for k in calibrate.FAN_IN}
     out = tmp_path / "v"
     proc = _simulate("validate", "--costs", str(path), "-n", "2", "-s", "1", "--rate", "100mbit", "--model", "wide",
-                     "--systems", "ps", "--steps", "3", "--timeout", "120", "--out", str(out))
+                     "--systems", "ps", "--steps", "3", "--repeats", "1", "--timeout", "120", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "validation.json").read_text())["rows"]
     assert [(r["system"], r["mode"]) for r in rows] == [("ps", "pushpull"), ("ps", "push+pull")]
@@ -254,7 +267,8 @@ def test_calibrate_and_validate_tiny(tmp_path):
         bound = theory(sum(models.tensors("wide")), 100e6, 2, 1).ps
         assert r["measured_s"] > 0.5 * bound and r["predicted_s"] > 0.5 * bound
         assert math.isfinite(r["predicted_s"] / r["measured_s"])
-    assert "| ps | pushpull | wide | 100mbit | 2 | 1 |" in (out / "validation.md").read_text()
+    assert "| ps | pushpull | wide | 100mbit | 2 | 1 | 1 x 3 |" in (out / "validation.md").read_text()
+    assert all((r["steps"], r["repeats"]) == (3, 1) for r in rows)
 
 
 def test_cli_usage_errors_exit_2():
