@@ -179,15 +179,18 @@ def test_optimizer_descriptors():
 def test_bench_cost_report_pairs_each_run_with_the_plain_run_before_it():
     """kvps bench's feature-cost tables (metrics, CURVE, replicas): runs alternate, so the median of
     run-by-run ratios cancels drift that the ratio of two medians keeps."""
-    from kvps.tools.bench.pushpull import cost_report, median_run, paired_ratio
-    assert paired_ratio([1.0, 2.0, 4.0], [1.1, 2.0, 4.8]) == pytest.approx(1.1)
-    assert paired_ratio([1.0, 2.0], [1.5, 2.0]) == pytest.approx(1.25)
-    assert paired_ratio(None, [1.0]) is None and paired_ratio([0.0], [1.0]) is None
+    from kvps.tools.bench.pushpull import cost_report, median_run, paired_interval
+    assert paired_interval([1.0, 2.0, 4.0], [1.1, 2.0, 4.8]).median == pytest.approx(1.1)
+    assert paired_interval([1.0, 2.0], [1.5, 2.0]).median == pytest.approx(1.25)
+    assert paired_interval(None, [1.0]) is None and paired_interval([0.0], [1.0]) is None
     row = {"workload": "round", "bytes": 1024, "mode": "pushpull"}
     plain = median_run([[dict(row, ms=m)] for m in (1.0, 2.0, 4.0)])        # a machine slowing down
     other = median_run([[dict(row, ms=m)] for m in (1.1, 2.0, 4.8)])
     table = cost_report("t", "metrics", plain, other)
-    assert "| 1 KB round | pushpull | 2.000 | 2.000 | 1.00 | 1.100 |" in table, table
+    assert "| 1 KB round | pushpull | 2.000 | 2.000 | 1.00 | 1.100 | 1.000 to 1.200 (3 runs) |" in table, table
+    # the interval of the paired ratios: a 1.03 target inside it is neither met nor missed
+    iv = paired_interval([1.0] * 15, [1.0, 1.1, 0.95, 1.02, 1.05] * 3)
+    assert iv.median == pytest.approx(1.02) and iv.low < 1.03 < iv.high and iv.n == 15
 
 
 def test_copy_into_streams_contiguous_copies_and_falls_back_to_numpy():

@@ -345,26 +345,33 @@ def cost_report(title, column, plain_rows, other_rows):
     """A table of `other_rows` (the same jobs with one feature on) against `plain_rows`, row by row."""
     other = {(r["workload"], r["bytes"], r["mode"]): r for r in other_rows}
     lines = [title, "Paired: the median over runs of each run's ratio to the plain run just before it (the jobs "
-             "alternate, so this cancels the machine's drift between runs).", "",
-             f"| workload | kvps call | plain ms | {column} ms | ratio | paired ratio |", "|---|---|--:|--:|--:|--:|"]
+             "alternate, so this cancels the machine's drift between runs), and its 95% bootstrap interval: "
+             "a target inside the interval is neither met nor missed by this run.", "",
+             f"| workload | kvps call | plain ms | {column} ms | ratio | paired ratio | 95% interval |",
+             "|---|---|--:|--:|--:|--:|---|"]
     for r in plain_rows:
         c = other.get((r["workload"], r["bytes"], r["mode"]))
         if c is not None:
-            paired = paired_ratio(r.get("runs_ms"), c.get("runs_ms"))
+            iv = paired_interval(r.get("runs_ms"), c.get("runs_ms"))
             lines.append(f"| {_label(r)} | {r['mode']} | {_ms(r['ms'])} | {_ms(c['ms'])} | {c['ms'] / r['ms']:.2f} | "
-                         f"{'-' if paired is None else f'{paired:.3f}'} |")
+                         + ("- | - |" if iv is None else
+                            f"{iv.median:.3f} | {iv.low:.3f} to {iv.high:.3f} ({iv.n} runs) |"))
     return "\n".join(lines)
 
 
-def paired_ratio(plain_ms, other_ms):
-    """The median of other_ms[i] / plain_ms[i] over the runs both have (in run order), or None."""
+def _pair_ratios(plain_ms, other_ms):
     if not plain_ms or not other_ms:
-        return None
-    ratios = sorted(o / p for p, o in zip(plain_ms, other_ms) if p > 0)
-    if not ratios:
-        return None
-    n = len(ratios)
-    return ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+        return []
+    return [o / p for p, o in zip(plain_ms, other_ms) if p > 0]
+
+
+def paired_interval(plain_ms, other_ms):
+    """The paired ratio, the median of other_ms[i] / plain_ms[i] over the runs both have (in run
+    order), with its 95% bootstrap interval (kvps/tools/experiment/intervals.py: Interval(median,
+    low, high, n)); or None."""
+    from kvps.tools.experiment.intervals import interval
+    ratios = _pair_ratios(plain_ms, other_ms)
+    return interval(ratios) if ratios else None
 
 
 def replicas_report(replicas, plain_rows, tcp_rows, replicated_rows):
