@@ -192,40 +192,6 @@ class Reply:
         return sent
 
 
-class Placed:
-    """The answer to a deferred copy (server/replication.py), whose entries hold places in their
-    rounds: none goes to the server that sent it (its answers to the ROUNDs that closed them stand
-    for it), so once every place's round has closed the window only notes it as answered. An entry
-    that failed, or a worker that asked for it again meanwhile (its head died), takes the full way
-    (Server.answer). The light twin of Reply, for the one reply per push a replica never sends."""
-    __slots__ = ("server", "routing_id", "header", "left", "error")
-
-    def __init__(self, server, routing_id, header):
-        self.server, self.routing_id, self.header = server, routing_id, header
-        self.left, self.error = len(header.keys), None
-        if not self.left:
-            self._finish()
-
-    def done(self, result):                 # a push's callback: once per entry
-        if isinstance(result, Exception):
-            self.error = self.error or result
-        self.left -= 1
-        if not self.left:
-            self._finish()
-
-    def _finish(self):
-        server, h = self.server, self.header
-        client = server._client(h, self.routing_id)
-        if self.error is not None:
-            server.reply_error(self.routing_id, h, self.error)
-        elif server._redirect and (client, h.id) in server._redirect:
-            server.answer(self.routing_id, h, Header(Op.ACK, h.id, server.name))
-        else:
-            server.chain.places.pop((h.src, h.id), None)
-            server.window.answered(client, h.id, RECOMPUTE if h.op == Op.PUSHPULL else
-                                   Header(Op.ACK, h.id, server.name, meta={"for": h.src}))
-
-
 class Server(Node):
     """One server of a job; `serve()` runs until the scheduler shuts the job down."""
 
@@ -738,12 +704,12 @@ class Server(Node):
             raise ProtocolError(f"a deferred {header.op.name} carries values")
         for e in header.keys:
             self.store.check(e.key, e.part, numpy_dtype(e.dtype), e.shape)
-        done = Placed(self, routing_id, header).done
+        reply = Reply(self, routing_id, header, len(header.keys), values=False)
         places = self.chain.places[(header.src, header.id)] = []
-        for e in header.keys:
+        for i, e in enumerate(header.keys):
             place = Deferred()
             places.append((e.key, e.part, place))
-            self.store.push(worker, e.key, e.part, place, done)
+            self.store.push(worker, e.key, e.part, place, reply.callback(i))
 
     def _fill(self, header, payloads):
         """A worker asks again for a request whose copy holds places here without values: the head it
