@@ -38,7 +38,6 @@ from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, d
 from kvps.wire import local, protocol
 from kvps.wire.protocol import Op
 from kvps.wire.requests import Handle
-from kvps.wire.shm import LINK_META
 from kvps.wire.transport import recv_message, send_message
 
 SLICE = 0.05            # seconds a lane waits on its sockets before it checks for a failure or a stop
@@ -388,8 +387,8 @@ def _close_sockets(socks):
 def _rehomed(requests, frames, dead):
     """The frames of a kept request to `dead` as they go to another server (Requests.rehome): the
     same bytes unless it names memory shared with `dead`."""
-    header = protocol.decode(frames[0])
-    if requests.rehome is None or not any(field in header.meta for field in LINK_META):
+    if requests.rehome is None:
         return frames
-    header, payloads = requests.rehome(header, frames[1:], dead)
-    return [header.encode(), *(bytes(p) for p in payloads)]
+    header = protocol.decode(frames[0])
+    moved, payloads = requests.rehome(header, frames[1:], dead)
+    return frames if moved is header else [moved.encode(), *(bytes(p) for p in payloads)]

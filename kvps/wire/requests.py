@@ -147,7 +147,7 @@ class Requests:
         self._control = {}              # id -> (peer, header, payloads)
         self.keep_data = keep_data      # keep data requests for redirect (never due for a resend)
         self.moved = {}                 # dead peer -> peer_for(header) of its redirect: later requests too
-        self.rehome = None              # (header, payloads, dead peer) -> (header, payloads) to send elsewhere
+        self.rehome = None              # (header, payloads, dead peer) -> (header, payloads) to send elsewhere (the same header if unchanged)
 
     def next_id(self):
         """A fresh request id, for a request that is not kept here (kvps/wire/lane.py)."""

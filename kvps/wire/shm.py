@@ -161,8 +161,7 @@ class Arena:
         if not 0 <= segment < len(self._segments):
             raise ShmRefused(f"segment {segment} is not one of the {len(self._segments)} shared with {self.server}")
         found = self._segments[segment]
-        if offset < 64 or nbytes < 0 or offset + nbytes > found.size:
-            raise ShmRefused(f"bytes {offset}..{offset + nbytes} are outside segment {segment} ({found.size} bytes)")
+        _check_range(segment, offset, nbytes, found.size)
         return _view(found, offset, nbytes)
 
     def _new(self, nbytes):
@@ -258,10 +257,14 @@ class Mapped:
         area = self._maps.get(segment)
         if area is None:
             raise ShmRefused(f"segment {segment} is not attached")
-        if offset < 64 or nbytes < 0 or offset + nbytes > area.size:
-            raise ShmRefused(f"bytes {offset}..{offset + nbytes} are outside segment {segment} "
-                             f"({area.size} bytes)")
+        _check_range(segment, offset, nbytes, area.size)
         return area[offset:offset + nbytes]
+
+
+def _check_range(segment, offset, nbytes, size):
+    """Raises ShmRefused unless nbytes at offset lie in a segment of `size` bytes, past its header."""
+    if offset < 64 or nbytes < 0 or offset + nbytes > size:
+        raise ShmRefused(f"bytes {offset}..{offset + nbytes} are outside segment {segment} ({size} bytes)")
 
 
 def inlined(header, payloads, view, drop=LINK_META):
