@@ -122,7 +122,8 @@ def parser():
     sub.add_parser("server", add_help=False, help="run a key-value server (prints READY HOST:PORT)")
 
     s = sub.add_parser("launch", help="start a whole job: scheduler, servers and workers")
-    s.add_argument("-n", "--num-workers", type=int, required=True)
+    s.add_argument("-n", "-np", "--num-workers", "--num-proc", type=int, required=True,
+                   help="workers (-np and --num-proc are horovodrun's spelling)")
     s.add_argument("-s", "--num-servers", type=int, default=1)
     s.add_argument("--launcher", choices=("local", "ssh", "ray"), default="local",
                    help="where servers and workers run (docs/launch.md)")

@@ -40,7 +40,7 @@ def test_launch_runs_a_job_and_prefixes_output(tmp_path):
 
 
 def test_launch_returns_first_failing_worker_code(tmp_path):
-    proc, elapsed = _launch(tmp_path, ["-n", "2", "-s", "1", ["7"]])
+    proc, elapsed = _launch(tmp_path, ["-np", "2", "-s", "1", ["7"]])     # horovodrun's spelling of -n
     assert proc.returncode == 7, proc.stdout + proc.stderr
     assert "worker W1 exited with code 7" in proc.stdout
     assert elapsed < 30
