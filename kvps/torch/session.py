@@ -1,10 +1,13 @@
 """The process's kvps.torch session: the modes, the one kvstore every kvps.torch call in this process
 shares (Session), init() to choose it and join() to leave the job."""
 import collections
+import logging
 import weakref
 
 import kvps
 from kvps.config import Config
+
+log = logging.getLogger("kvps.torch")
 
 MODES = {"sync": "dist_sync", "async": "dist_async", "allreduce": "allreduce", "geo": "dist_geo"}
 # kvstore types whose pushpull returns the sum of the workers' pushes (when no optimizer is set),
@@ -31,6 +34,12 @@ class Session:
                 self.kv = kvstore
             return kvstore
         if self.kv is None:
+            if mode is None and not in_job():
+                # Horovod's hvd.init() in a script run without horovodrun: one worker, itself
+                log.info("kvps.torch: not in a kvps job (no scheduler address): this process is the only "
+                         "worker (size 1), as under Horovod without horovodrun")
+                self.kv = kvps.create("local")
+                return self.kv
             self.mode = mode or default_mode()
             if self.mode == "geo" and k_steps is None:
                 raise ValueError("mode='geo' needs k_steps=K (the local steps between two syncs)")
@@ -66,6 +75,12 @@ def _telemetry(kv):
     return telemetry if telemetry is not None and telemetry.timeline is not None else None
 
 
+def in_job():
+    """Whether this process was started as a worker of a job (kvps launch, or KVPS_SCHEDULER /
+    DMLC_PS_ROOT_URI set by hand)."""
+    return Config.from_env().scheduler is not None
+
+
 def default_mode():
     """sync in a job with servers; allreduce in one without (kvps launch -s 0), as Horovod runs."""
     return "allreduce" if Config.from_env().num_servers == 0 else "sync"
@@ -81,7 +96,8 @@ def init(mode=None, kvstore=None, k_steps=None):
     """The kvstore kvps.torch uses in this process: `kvstore` if given (adopted), else one created
     with kvps.create for `mode` (sync: dist_sync, async: dist_async, allreduce: allreduce, geo:
     dist_geo with k_steps=K; None: sync, or allreduce in a job without servers, so Horovod's
-    hvd.init() runs either way). Call it first when the first kvps.torch call is not the one that sets
+    hvd.init() runs either way, and outside a job, a local kvstore: the process is the only
+    worker, as a Horovod script run without horovodrun is). Call it first when the first kvps.torch call is not the one that sets
     the mode."""
     return _SESSION.kvstore(mode, kvstore, k_steps)
 

@@ -319,3 +319,36 @@ def test_bucket_timeline_events(tmp_path, mode):
         assert args["bytes"] == sum(names[n].numel() * 4 for n in members)
     # buckets 1 and 3 miss a gradient (`extra`, `unused`) and go from step(): handed as they become ready
     assert events[1]["args"]["handed_us"] == 0 and events[3]["args"]["handed_us"] == 0
+
+
+def test_a_horovod_script_run_without_a_launcher_is_one_worker():
+    """hvd.init() in a script started with plain `python` (no scheduler address): Horovod runs it as
+    the only worker, so kvps does too, on a local kvstore; an explicit mode still needs a job."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = COMMON + r'''
+import kvps.torch as hvd
+hvd.init()
+model = make_model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+losses = train(model, opt, STEPS, hvd.rank(), hvd.size())
+mean = hvd.allreduce(torch.tensor([2.0, 4.0]), name="metric").tolist()
+try:
+    kt.Session().kvstore(mode="sync")
+    refused = None
+except kvps.ConfigError as exc:
+    refused = str(exc)
+print(json.dumps({"size": hvd.size(), "rank": hvd.rank(), "type": kt.init().type, "losses": losses,
+                  "mean": mean, "refused": refused}))
+'''
+    env = {k: v for k, v in os.environ.items() if k not in ("KVPS_SCHEDULER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert (got["size"], got["rank"], got["type"]) == (1, 0, "local")
+    assert got["losses"] == reference() and got["mean"] == [2.0, 4.0]
+    assert "no scheduler address" in got["refused"]
