@@ -5,8 +5,10 @@
 The worker only sends {"name": ..., "params": {...}}; the servers look the name
 up among the update rules their operator installed (kvps.ps.rules, plus
 any --plugin module), so no code travels over the network. The formulas are
-MXNet's; docs/optimizers.md writes them out.
+MXNet's; docs/optimizers.md writes them out. get_updater(optimizer) runs the same formulas in
+this process (MXNet's updater, for a local kvstore or a script's own step).
 """
+import numpy as np
 
 
 class Optimizer:
@@ -80,6 +82,40 @@ class RMSProp(Optimizer):
 
 
 _BUILTIN = {cls.name: cls for cls in (SGD, NAG, Adam, AdamW, AdaGrad, RMSProp)}
+
+
+class Updater:
+    """MXNet's mx.optimizer.Updater, from get_updater(optimizer): updater(index, grad, weight)
+    applies the optimizer to `weight` in place (numpy arrays or torch tensors) with the formulas
+    the servers use, keeping each index's state (momentum, moments, step count) between calls. It
+    is what MXNet scripts give kv._set_updater() in a local kvstore, or step their weights with
+    themselves. Only installed rules run (this process's built-ins), as on a server."""
+
+    def __init__(self, optimizer):
+        from kvps.ps.rules import Registry      # (kvps.ps.rules imports this module)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"get_updater takes a kvps.optimizer.Optimizer, not {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._rule = Registry().create(optimizer.spec())
+
+    def __call__(self, index, grad, weight):
+        from kvps.arrays import as_numpy, is_torch
+        w, g = as_numpy(weight, f"weight of index {index!r}"), as_numpy(grad, f"grad of index {index!r}")
+        if w.shape != g.shape:
+            raise ValueError(f"index {index!r}: grad shape {g.shape} differs from weight shape {w.shape}")
+        self._rule((index, 0), w, g)
+        if is_torch(weight):
+            if weight.device.type != "cpu" or w.ctypes.data != weight.data_ptr():
+                import torch
+                weight.copy_(torch.from_numpy(w) if w.dtype.kind == "f" else
+                             torch.from_numpy(w.view(np.int16)).view(torch.bfloat16))
+        elif not np.shares_memory(w, weight):
+            weight[...] = w
+
+
+def get_updater(optimizer):
+    """MXNet's mx.optimizer.get_updater: an Updater for `optimizer`."""
+    return Updater(optimizer)
 
 
 def create(name, **params):

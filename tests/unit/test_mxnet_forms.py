@@ -114,3 +114,39 @@ def test_pull_ahead_learns_from_pulls_and_unlearns_from_repeated_pushes():
     ahead.pushed(["b"], Stash())
     ahead.drop(["b"])                            # any other call on the key drops what was stashed
     assert ahead.take(["b"]) is None
+
+
+@pytest.mark.parametrize("name", ["sgd", "nag", "adam", "adamw", "adagrad", "rmsprop"])
+def test_get_updater_steps_as_a_kvstore_optimizer_does(name):
+    """mx.optimizer.get_updater(opt): updater(index, grad, weight) in place, each index with its own
+    state, with the formulas a kvstore's set_optimizer runs; on numpy arrays and torch tensors."""
+    import torch
+    opt = kvps.optimizer.create(name, learning_rate=0.1, wd=0.01)
+    kv = kvps.create("local")
+    kv.set_optimizer(opt)
+    updater = kvps.optimizer.get_updater(opt)
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal((2, 5)).astype(np.float32)
+    kv.init(["a", "b"], [start[0], start[1]])
+    mine_a, mine_b = start[0].copy(), torch.from_numpy(start[1].copy())
+    for _ in range(3):
+        ga, gb = rng.standard_normal((2, 5)).astype(np.float32)
+        kv.push(["a", "b"], [ga, gb])
+        updater("a", ga, mine_a)
+        updater("b", torch.from_numpy(gb), mine_b)
+    want = [np.zeros(5, np.float32), np.zeros(5, np.float32)]
+    kv.pull(["a", "b"], out=want)
+    assert mine_a.tolist() == want[0].tolist() and mine_b.tolist() == want[1].tolist()
+
+
+def test_get_updater_refuses_what_it_cannot_step():
+    updater = kvps.optimizer.get_updater(kvps.optimizer.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="grad shape"):
+        updater(0, np.ones(3, np.float32), np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="takes a kvps.optimizer.Optimizer"):
+        kvps.optimizer.get_updater("sgd")
+    with pytest.raises(ValueError, match="has no optimizer 'nope'"):
+        kvps.optimizer.get_updater(kvps.optimizer.create("nope"))
+    weight = np.ones(6, np.float32)[::2]            # not contiguous: stepped through a copy, written back
+    updater(1, np.ones(3, np.float32), weight)
+    assert np.allclose(weight, 0.9)
