@@ -4,17 +4,20 @@
     kv = kvps.create("dist_sync")      # in a job started by `kvps launch`
     kv.init("w", weights); kv.push("w", grad); kv.pull("w", out=weights)
 """
-from kvps import optimizer
+from kvps import lr_scheduler, optimizer
 from kvps.errors import (KVPSError, ConfigError, ProtocolError, KVTimeoutError, NodeFailure, RemoteError,
                      KernelUnavailable)
 from kvps import kvstore
 from kvps import kvstore as kv          # MXNet's mx.kv.create(...) and mx.kvstore.create(...)
 from kvps.kvstore import KVStore, create
 from kvps.kvstore.allreduce import allreduce
+from kvps.kvstore.updater import Updater, get_updater
+
+optimizer.Updater, optimizer.get_updater = Updater, get_updater     # MXNet's mx.optimizer.get_updater
 
 __version__ = "0.1.0"
 
-__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "KVPSError", "ConfigError", "ProtocolError",
+__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "lr_scheduler", "KVPSError", "ConfigError", "ProtocolError",
            "KVTimeoutError", "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
 
 

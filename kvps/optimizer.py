@@ -1,14 +1,16 @@
 """Optimizers that run on the servers, described by name and parameters (never pickled).
 
     kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-4))
+    kv.set_optimizer(kvps.optimizer.SGD(momentum=0.9, lr_scheduler=kvps.lr_scheduler.FactorScheduler(1000, 0.9)))
 
 The worker only sends {"name": ..., "params": {...}}; the servers look the name
 up among the update rules their operator installed (kvps.ps.rules, plus
 any --plugin module), so no code travels over the network. The formulas are
-MXNet's; docs/optimizers.md writes them out. get_updater(optimizer) runs the same formulas in
-this process (MXNet's updater, for a local kvstore or a script's own step).
+MXNet's; docs/optimizers.md writes them out. get_updater(optimizer) (kvps/kvstore/updater.py, bound
+here by the package) runs the same formulas in this process: MXNet's updater, for a local kvstore
+or a script's own step.
 """
-import numpy as np
+from kvps import lr_scheduler as schedules
 
 
 class Optimizer:
@@ -21,11 +23,20 @@ class Optimizer:
     name = None
     defaults = {}
 
-    def __init__(self, name=None, **params):
+    def __init__(self, name=None, lr_scheduler=None, **params):
         if name is not None:
             self.name = name
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"optimizer name must be a non-empty str, got {self.name!r}")
+        if lr_scheduler is not None:
+            if not isinstance(lr_scheduler, schedules.LRScheduler):
+                raise ValueError(f"lr_scheduler must be a kvps.lr_scheduler schedule (FactorScheduler, "
+                                 f"MultiFactorScheduler, PolyScheduler, CosineScheduler), not {lr_scheduler!r}")
+            if params.get("learning_rate") is None:
+                params["learning_rate"] = lr_scheduler.base_lr
+            else:       # MXNet: the optimizer's learning_rate replaces the schedule's base_lr
+                lr_scheduler.base_lr = params["learning_rate"]
+        self.lr_scheduler = lr_scheduler
         if self.defaults:
             unknown = sorted(set(params) - set(self.defaults))
             if unknown:
@@ -37,11 +48,16 @@ class Optimizer:
                 raise ValueError(f"optimizer parameter {key}={value!r} must be a number, bool, str or None")
 
     def spec(self):
-        """What travels to the servers."""
-        return {"name": self.name, "params": dict(self.params)}
+        """What travels to the servers (and the schedule of its learning rate, if any)."""
+        spec = {"name": self.name, "params": dict(self.params)}
+        if self.lr_scheduler is not None:
+            spec["lr_scheduler"] = self.lr_scheduler.spec()
+        return spec
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        if self.lr_scheduler is not None:
+            args += f", lr_scheduler={self.lr_scheduler!r}"
         return f"{type(self).__name__}({args})" if self.defaults else f"Optimizer({self.name!r}, {args})"
 
 
@@ -84,38 +100,11 @@ class RMSProp(Optimizer):
 _BUILTIN = {cls.name: cls for cls in (SGD, NAG, Adam, AdamW, AdaGrad, RMSProp)}
 
 
-class Updater:
-    """MXNet's mx.optimizer.Updater, from get_updater(optimizer): updater(index, grad, weight)
-    applies the optimizer to `weight` in place (numpy arrays or torch tensors) with the formulas
-    the servers use, keeping each index's state (momentum, moments, step count) between calls. It
-    is what MXNet scripts give kv._set_updater() in a local kvstore, or step their weights with
-    themselves. Only installed rules run (this process's built-ins), as on a server."""
-
-    def __init__(self, optimizer):
-        from kvps.ps.rules import Registry      # (kvps.ps.rules imports this module)
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"get_updater takes a kvps.optimizer.Optimizer, not {type(optimizer).__name__}")
-        self.optimizer = optimizer
-        self._rule = Registry().create(optimizer.spec())
-
-    def __call__(self, index, grad, weight):
-        from kvps.arrays import as_numpy, is_torch
-        w, g = as_numpy(weight, f"weight of index {index!r}"), as_numpy(grad, f"grad of index {index!r}")
-        if w.shape != g.shape:
-            raise ValueError(f"index {index!r}: grad shape {g.shape} differs from weight shape {w.shape}")
-        self._rule((index, 0), w, g)
-        if is_torch(weight):
-            if weight.device.type != "cpu" or w.ctypes.data != weight.data_ptr():
-                import torch
-                weight.copy_(torch.from_numpy(w) if w.dtype.kind == "f" else
-                             torch.from_numpy(w.view(np.int16)).view(torch.bfloat16))
-        elif not np.shares_memory(w, weight):
-            weight[...] = w
-
-
-def get_updater(optimizer):
-    """MXNet's mx.optimizer.get_updater: an Updater for `optimizer`."""
-    return Updater(optimizer)
+def from_spec(spec):
+    """The Optimizer a spec() describes (a checkpoint's manifest keeps one)."""
+    schedule = spec.get("lr_scheduler")
+    return Optimizer(spec["name"], lr_scheduler=None if schedule is None else schedules.from_spec(schedule),
+                     **spec["params"])
 
 
 def create(name, **params):

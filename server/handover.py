@@ -72,7 +72,7 @@ def state(server, home):
     meta = {"home": home, "slots": slots, "window": window}
     generation, spec = server.optimizer
     if spec is not None:
-        meta["optimizer"] = {"generation": generation, "name": spec["name"], "params": spec["params"]}
+        meta["optimizer"] = {"generation": generation, **spec}
     return Header(Op.STATE, 0, server.name, entries, meta), payloads
 
 
@@ -82,7 +82,7 @@ def take(server, header, payloads):
     arrays = iter(server._arrays(header, payloads, need=True))
     optimizer = meta.get("optimizer")
     if optimizer is not None and optimizer["generation"] > server.optimizer[0]:
-        spec = {"name": optimizer["name"], "params": optimizer["params"]}
+        spec = {k: v for k, v in optimizer.items() if k != "generation"}
         server.store.set_rule(server.registry.create(spec))
         server.optimizer = (optimizer["generation"], spec)
     adopted, rule_states, total = [], {}, 0

@@ -797,12 +797,12 @@ class DistKVStore(KVStore):
         """MXNet's call: restore the servers' optimizer state (moments, step counts) from `fname`,
         leaving the values. Any worker may call it, and all may (loading the same state twice
         changes nothing); into the optimizer set now, or the next one set_optimizer sets."""
-        from kvps.optimizer import Optimizer
+        from kvps.optimizer import from_spec
         infos = list(self._keys.values())
         manifest = self._checkpoints.check(fname, infos)
         spec = manifest.get("optimizer")
         if manifest.get("dump_optimizer") and spec and self._checkpoints.optimizer is None:
-            self.set_optimizer(Optimizer(spec["name"], **spec["params"]))
+            self.set_optimizer(from_spec(spec))
         self.wait_all()
         self._checkpoints.load(fname, infos, "optimizer")
 

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from kvps import kernels
+from kvps import kernels, lr_scheduler
 from kvps.errors import ConfigError, KVValueError
 from kvps.optimizer import SGD, NAG, Adam, AdamW, AdaGrad, RMSProp
 
@@ -157,14 +157,22 @@ class Registry:
         if rule is None:
             raise ValueError(f"this server has no optimizer {spec['name']!r} (it has: {', '.join(self.names())}; "
                              f"an operator adds more with --plugin)")
-        return RuleState(rule(spec.get("params", {})))
+        made = rule(spec.get("params", {}))
+        schedule = spec.get("lr_scheduler")
+        if schedule is not None and "learning_rate" not in made.params:
+            raise ValueError(f"optimizer {spec['name']!r} has no learning_rate for an lr_scheduler to set")
+        return RuleState(made, None if schedule is None else lr_scheduler.from_spec(schedule))
 
 
 class RuleState:
-    """Applies one rule to every key of a server, keeping each key's state and step count."""
+    """Applies one rule to every key of a server, keeping each key's state and step count. With a
+    schedule (kvps.lr_scheduler) the rule's learning_rate is the schedule's at num_update, the most
+    updates applied to any key here, counting the one being applied (MXNet's num_update)."""
 
-    def __init__(self, rule):
+    def __init__(self, rule, schedule=None):
         self.rule = rule
+        self.schedule = schedule
+        self.num_update = 0
         self._state = {}        # slot id -> [master float32 weight or None, count, state arrays]
 
     def _entry(self, slot_id, weight):
@@ -176,6 +184,9 @@ class RuleState:
             entry = self._state[slot_id] = [master, 0, self.rule.create_state(master if master is not None
                                                                                else weight)]
         entry[1] += 1
+        if self.schedule is not None:
+            self.num_update = max(self.num_update, entry[1])
+            self.rule.params["learning_rate"] = self.schedule(self.num_update)
         return entry
 
     def __call__(self, slot_id, weight, grad):
@@ -245,3 +256,4 @@ class RuleState:
             else:
                 master, count, state = saved
                 self._state[slot_id] = [master, int(count), list(state)]
+        self.num_update = max((entry[1] for entry in self._state.values()), default=0)

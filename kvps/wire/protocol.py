@@ -140,6 +140,18 @@ class MapOf:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class OneOf:
+    """A value of any of the given types."""
+    kinds: tuple
+
+    def accepts(self, value):
+        return any(kind.accepts(value) for kind in self.kinds)
+
+    def __str__(self):
+        return " or ".join(map(str, self.kinds))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Tuple:
     """A list of fixed length whose items have the given types, e.g. [host, port, pid]."""
     items: tuple
@@ -194,6 +206,9 @@ _ADDRESSES = ListOf(Tuple((STR, INT, INT)))
 _CODEC_RECORD = Record({"type": Field(STR, "2bit, 1bit, fp16, bf16 or topk (kvps.ps.compression)"),
                          "threshold": Field(FLOAT, "2bit and 1bit: the quantisation threshold", required=False),
                          "ratio": Field(FLOAT, "topk: the share of the elements sent", required=False)})
+_SCHEDULE = Field(Record({"name": Field(STR, "factor, multifactor, poly or cosine (kvps/lr_scheduler.py)"),
+                          "params": Field(MapOf(OneOf((SCALAR, ListOf(INT)))), "the schedule's numbers")}),
+                  "the learning rate's schedule (absent: learning_rate throughout)", required=False)
 _CODEC = Field(_CODEC_RECORD, "the compression every float32 entry's payload is in (absent: none)", required=False)
 _PULL = Field(_CODEC_RECORD, "compress the reply's float32 values with this codec, with the server's error "
                              "feedback for this worker (absent: send them as they are)", required=False)
@@ -325,7 +340,8 @@ SCHEMA = {
     Op.SET_OPTIMIZER: Message("worker -> server", "apply this update rule to pushes from now on; answered with ACK", {
         "generation": Field(INT, "how many optimizers the worker has set; servers keep the newest"),
         "spec": Field(Record({"name": Field(STR, "the rule's name in the server's registry"),
-                              "params": Field(MapOf(SCALAR), "the rule's parameters")}),
+                              "params": Field(MapOf(SCALAR), "the rule's parameters"),
+                              "lr_scheduler": _SCHEDULE}),
                       "the optimizer (kvps.optimizer; no code travels)"),
     }),
     Op.VALUE: Message("server -> worker", "reply carrying the values asked for, a payload per non-empty entry", {
@@ -361,7 +377,8 @@ SCHEMA = {
         "home": Field(INT, "the home rank whose ranges these are"),
         "optimizer": Field(Record({"generation": Field(INT, "as SET_OPTIMIZER's"),
                                    "name": Field(STR, "the rule's name in the server's registry"),
-                                   "params": Field(MapOf(SCALAR), "the rule's parameters")}),
+                                   "params": Field(MapOf(SCALAR), "the rule's parameters"),
+                                   "lr_scheduler": _SCHEDULE}),
                            "the update rule the sender runs", required=False),
         "slots": Field(ListOf(Record({
             "version": Field(INT, "updates applied"),

@@ -1,4 +1,5 @@
-"""Checkpoints with real processes (docs/checkpoint.md): a dist_sync job with Adam saves, is killed
+"""Checkpoints with real processes (docs/checkpoint.md): a dist_sync job with Adam (and a learning
+rate schedule, which goes on from the saved update counts) saves, is killed
 whole, and resumes with another number of servers, ending bit for bit where a job that never
 stopped ends; so does one resumed from its periodic checkpoint; MXNet's save_optimizer_states /
 load_optimizer_states work in dist mode; a truncated, corrupt, incomplete or mismatched checkpoint
@@ -14,7 +15,9 @@ r = kv.rank
 SHAPES = {"big": ((3000, 4), np.float32), "small": ((7,), np.float32), "half": ((500, 3), ml_dtypes.bfloat16)}
 keys = list(SHAPES)
 kv.init(keys, [np.full(s, 0.5, d) for s, d in SHAPES.values()])       # KVPS_RESUME: replaced by the saved state
-kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.01, rescale_grad=1.0 / kv.num_workers))
+# the rate halves every 2 updates: a server that resumed with the wrong update count steps wrongly
+kv.set_optimizer(kvps.optimizer.Adam(learning_rate=0.01, rescale_grad=1.0 / kv.num_workers,
+                                     lr_scheduler=kvps.lr_scheduler.FactorScheduler(step=2, factor=0.5)))
 start, stop, save_at = int(os.environ["START"]), int(os.environ["STOP"]), int(os.environ.get("SAVE_AT", "-1"))
 outs = [np.zeros(s, d) for s, d in SHAPES.values()]
 

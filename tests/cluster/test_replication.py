@@ -23,7 +23,9 @@ kv = kvps.create(os.environ.get("MODE", "dist_sync"))
 # "mid": two parts of 100 KB, a call small enough for a lane (kvps/wire/lane.py)
 shapes = {"w0": (3,), "w1": (40, 5), "big": (600, 10), 7: (9,), "wide": (3, 30000), "mid": (2, 25000)}
 if os.environ.get("OPTIMIZER", "sgd") == "sgd":
-    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.5, momentum=0.5, rescale_grad=1.0))
+    # its rate falls every 7 updates: a replica that takes over goes on with the schedule
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.5, momentum=0.5, rescale_grad=1.0,
+                                        lr_scheduler=kvps.lr_scheduler.FactorScheduler(step=7, factor=0.75)))
 weights = {k: np.full(s, 1.0, np.float32) for k, s in shapes.items()}
 for k, w in weights.items():
     kv.init(k, w)

@@ -12,6 +12,7 @@ PACKAGES = ("kvps", "server", "scheduler")
 
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS = (
+    ("kvps.lr_scheduler",),
     ("kvps.errors", "kvps.optimizer"),
     ("kvps.dtypes", "kvps.straggler", "kvps.roles"),
     ("kvps.config",),

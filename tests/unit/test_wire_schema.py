@@ -93,7 +93,10 @@ def test_the_servers_stats_fit_the_schema():
      "SET_OPTIMIZER meta field 'generation' is 1.0, expected int"),
     (Op.SET_OPTIMIZER, {"generation": 1, "spec": {"name": "sgd", "params": {"lr": [1]}}},
      "SET_OPTIMIZER meta field 'spec' is {'name': 'sgd', 'params': {'lr': [1]}}, "
-     "expected map {name: str, params: map of str -> scalar}"),
+     "expected map {name: str, params: map of str -> scalar, lr_scheduler?: "),
+    (Op.SET_OPTIMIZER, {"generation": 1, "spec": {"name": "sgd", "params": {},
+                                                   "lr_scheduler": {"name": "factor", "params": {"step": [1.5]}}}},
+     "lr_scheduler?: map {name: str, params: map of str -> scalar or list of int}}"),
     (Op.PUSH, {"codec": {"type": "2bit", "threshold": "0.5"}}, "expected map {type: str, threshold?: float"),
     (Op.PUSH, {"codec": {"threshold": 0.5}}, "PUSH meta field 'codec' is {'threshold': 0.5}, expected map"),
     (Op.MEMBERSHIP, {"rank": 0, "servers": [["h", 1]], "workers": [], "mode": "sync"},
