@@ -46,6 +46,9 @@ class Optimizer:
         for key, value in self.params.items():
             if value is not None and not isinstance(value, (bool, int, float, str)):
                 raise ValueError(f"optimizer parameter {key}={value!r} must be a number, bool, str or None")
+        if self.params.get("lazy_update") is False:
+            raise ValueError(f"{type(self).__name__}(lazy_update=False): kvps updates only the rows a row-sparse "
+                             f"push names (MXNet's lazy update, its default); a dense push updates every row")
 
     def spec(self):
         """What travels to the servers (and the schedule of its learning rate, if any)."""
@@ -61,24 +64,27 @@ class Optimizer:
         return f"{type(self).__name__}({args})" if self.defaults else f"Optimizer({self.name!r}, {args})"
 
 
-_COMMON = {"learning_rate": 0.01, "wd": 0.0, "rescale_grad": 1.0, "clip_gradient": None}
+# multi_precision: MXNet's flag for a float32 master copy of 16-bit weights, which kvps's servers
+# always keep (True or False is taken; fit.py passes it); lazy_update: MXNet's row-sparse update of
+# only the rows pushed, which is the only one kvps has (False is refused: it would differ silently).
+_COMMON = {"learning_rate": 0.01, "wd": 0.0, "rescale_grad": 1.0, "clip_gradient": None, "multi_precision": True}
 
 
 class SGD(Optimizer):
     """weight -= lr * (clip(rescale_grad * grad) + wd * weight), with optional (Nesterov) momentum."""
     name = "sgd"
-    defaults = dict(_COMMON, momentum=0.0, nesterov=False)
+    defaults = dict(_COMMON, momentum=0.0, nesterov=False, lazy_update=True)
 
 
 class NAG(SGD):
     """SGD with Nesterov momentum (MXNet's NAG)."""
     name = "nag"
-    defaults = dict(_COMMON, momentum=0.9, nesterov=True)
+    defaults = dict(_COMMON, momentum=0.9, nesterov=True, lazy_update=True)
 
 
 class Adam(Optimizer):
     name = "adam"
-    defaults = dict(_COMMON, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8)
+    defaults = dict(_COMMON, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True)
 
 
 class AdamW(Optimizer):

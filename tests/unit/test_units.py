@@ -169,9 +169,14 @@ def test_unknown_kvstore_type_lists_valid_ones():
 def test_optimizer_descriptors():
     opt = kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=0.5)
     assert opt.spec() == {"name": "sgd", "params": {"learning_rate": 0.1, "wd": 0.0, "rescale_grad": 0.5,
-                                                    "clip_gradient": None, "momentum": 0.9, "nesterov": False}}
+                                                    "clip_gradient": None, "multi_precision": True,
+                                                    "momentum": 0.9, "nesterov": False, "lazy_update": True}}
     with pytest.raises(ValueError, match="SGD has no parameter lr"):
         kvps.optimizer.SGD(lr=0.1)
+    # MXNet's fit.py passes multi_precision; kvps's servers always keep a float32 master of 16-bit keys
+    assert kvps.optimizer.create("nag", multi_precision=False, lazy_update=True).params["multi_precision"] is False
+    with pytest.raises(ValueError, match="lazy_update=False"):
+        kvps.optimizer.Adam(lazy_update=False)
     assert kvps.optimizer.create("adam").name == "adam"
     assert kvps.optimizer.create("my_rule", alpha=1).spec() == {"name": "my_rule", "params": {"alpha": 1}}
 
