@@ -22,15 +22,18 @@ docs/torch.md has the details.
 
 Its modules: session (the modes, the process's kvstore, init, join), broadcast, bucketing,
 optimizer (DistributedOptimizer), rules (torch optimizers as server-side update rules) and
-horovod (Horovod's process API: `import kvps.torch as hvd` runs a horovod.torch script).
+horovod (Horovod's process API: `import kvps.torch as hvd` runs a horovod.torch script) and byteps
+(BytePS's push_pull names on top of it: `import kvps.torch as bps`).
 """
 import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstring)
 
 from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
+from kvps.torch.byteps import (declare, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace)
 from kvps.torch.horovod import (Adasum, Average, Compression, Sum, allgather, allgather_object, allreduce,
-                                allreduce_, broadcast, broadcast_, broadcast_object, cross_rank, cross_size, gloo_built,
-                                gloo_enabled, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                                mpi_threads_supported, nccl_built, rank, shutdown, size)
+                                allreduce_, allreduce_async, allreduce_async_, broadcast, broadcast_, broadcast_object,
+                                cross_rank, cross_size, gloo_built, gloo_enabled, is_initialized, local_rank,
+                                local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank,
+                                shutdown, size, synchronize)
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
 from kvps.torch.optimizer import DistributedOptimizer
 from kvps.torch.server_optimizer import server_optimizer
@@ -41,6 +44,9 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            "Session",
            # Horovod's names (kvps/torch/horovod.py): import kvps.torch as hvd
            "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_initialized", "shutdown",
-           "allreduce", "allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
+           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize",
+           "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
            "Compression", "Average", "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled",
-           "mpi_threads_supported", "gloo_built", "gloo_enabled"]
+           "mpi_threads_supported", "gloo_built", "gloo_enabled",
+           # BytePS's (kvps/torch/byteps.py): import kvps.torch as bps
+           "push_pull", "push_pull_inplace", "push_pull_async", "push_pull_async_inplace", "declare"]

@@ -46,10 +46,11 @@ def _broadcast(named, root_rank, kv, kind):
             back()
 
 
-def broadcast_parameters(params, root_rank=0, kvstore=None):
+def broadcast_parameters(params, root_rank=0, kvstore=None, prefix=None):
     """Overwrite every worker's tensors with root_rank's, in place. `params` is a state_dict or
     (name, tensor) pairs (named_parameters()); tensors of every dtype and shape, buffers too.
-    Every worker must call it with the same names. Raises TypeError for a value that is not a tensor."""
+    Every worker must call it with the same names. Raises TypeError for a value that is not a tensor.
+    prefix: BytePS's, accepted (the names are the params' own)."""
     items = list(params.items()) if isinstance(params, dict) else list(params)
     for name, t in items:
         if not torch.is_tensor(t):
@@ -84,10 +85,10 @@ def _like(local, value):
     return tuple(value) if isinstance(local, tuple) else value
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, kvstore=None):
+def broadcast_optimizer_state(optimizer, root_rank=0, kvstore=None, prefix=None):
     """Give every worker root_rank's optimizer state (momentum buffers, Adam moments and steps, scalars)
     and hyperparameters (lr, betas, ...), through optimizer.load_state_dict. Workers whose optimizer
-    has not stepped yet get the root's state all the same."""
+    has not stepped yet get the root's state all the same. prefix: BytePS's, accepted."""
     kv = _SESSION.kvstore(kvstore=kvstore)
     local = optimizer.state_dict()
     meta = None

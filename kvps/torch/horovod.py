@@ -15,6 +15,7 @@ import torch
 
 from kvps.torch.broadcast import _broadcast, _broadcast_json
 from kvps.torch.session import _SESSION, SUMMING
+from kvps.wire.requests import Handle
 
 
 class ReduceOp:
@@ -164,14 +165,35 @@ def _unless_refused(got, whose):
     return got
 
 
-def allreduce_(tensor, average=None, name=None, op=None):
-    """Sum or average `tensor` over every worker, in place; returns it."""
+class Pending:
+    """An allreduce on its way (Horovod's handle, from allreduce_async_): poll(handle) says whether
+    it is done, synchronize(handle) waits and gives the tensor."""
+
+    def __init__(self, handle, tensor, value, work, mean, workers):
+        self.handle, self.tensor, self._value, self._work, self._mean, self._workers = \
+            handle, tensor, value, work, mean, workers
+        self._finished = False
+
+    def result(self):
+        if not self._finished:
+            self.handle.wait()
+            work = self._work
+            if self._mean and self._workers > 1:
+                work.div_(self._workers) if work.is_floating_point() else work.floor_divide_(self._workers)
+            if work is not self._value:
+                self._value.copy_(work)
+            self._finished = True
+        return self.tensor
+
+
+def _start(tensor, average, name, op, priority=0):
+    """Send `tensor`'s sum over every worker on its way: a Pending."""
     mean = reduction(op, average)
     kv = _summing_kv("allreduce", tensor)
-    if tensor.numel() == 0:
-        return tensor
-    key = f"kvps.torch/allreduce/{name if name is not None else _dtype_name(tensor) + str(list(tensor.shape))}"
     value = tensor.detach()
+    if tensor.numel() == 0:
+        return Pending(Handle.completed("an empty allreduce"), tensor, value, value, False, 1)
+    key = f"kvps.torch/allreduce/{name if name is not None else _dtype_name(tensor) + str(list(tensor.shape))}"
     work = value if value.device.type == "cpu" and value.is_contiguous() else value.cpu().contiguous()
     if work.dtype == torch.float32 and getattr(kv, "_codec", None) is not None:
         # The kvstore compresses float32 values (DistributedOptimizer's compression=, which is
@@ -184,12 +206,34 @@ def allreduce_(tensor, average=None, name=None, op=None):
     elif declared[key] != (work.dtype, tuple(work.shape)):
         raise ValueError(f"hvd.allreduce name={name!r} was {declared[key][0]} {declared[key][1]} and is now "
                          f"{work.dtype} {tuple(work.shape)}: give each tensor its own name")
-    kv.pushpull(key, work, out=work)
-    if mean and kv.num_workers > 1:
-        work.div_(kv.num_workers) if work.is_floating_point() else work.floor_divide_(kv.num_workers)
-    if work is not value:
-        value.copy_(work)
-    return tensor
+    handle = kv.pushpull(key, work, out=work, priority=priority, async_op=True)
+    return Pending(handle, tensor, value, work, mean, kv.num_workers)
+
+
+def allreduce_(tensor, average=None, name=None, op=None):
+    """Sum or average `tensor` over every worker, in place; returns it."""
+    return _start(tensor, average, name, op).result()
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None):
+    """allreduce_ without waiting: a handle for poll() and synchronize(), which gives `tensor`
+    (summed or averaged in place). Every worker must start the same allreduces in the same order."""
+    return _start(tensor, average, name, op)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None):
+    """allreduce without waiting: synchronize(handle) gives the result as a new tensor."""
+    return _start(tensor.detach().clone(), average, name, op)
+
+
+def poll(handle):
+    """Whether the allreduce of `handle` is done (synchronize then returns at once)."""
+    return handle.handle.done()
+
+
+def synchronize(handle):
+    """Wait for the allreduce of `handle`; its tensor. Raises its error (a dead peer, a timeout)."""
+    return handle.result()
 
 
 def allreduce(tensor, average=None, name=None, op=None, compression=None):

@@ -250,7 +250,7 @@ class _Skip:
 
 def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compression=None,
                          backward_passes_per_step=1, kvstore=None, update_on=None, bucket_bytes=BUCKET_BYTES,
-                         k_steps=None, op=None, gradient_predivide_factor=1.0, sparse_as_dense=False):
+                         k_steps=None, op=None, gradient_predivide_factor=1.0, sparse_as_dense=False, staleness=0):
     """Wrap a torch optimizer for a kvps job; returns an optimizer of the same class to use instead.
 
     mode: None (the mode of the process's kvstore: kvps.torch.init), "sync" (dist_sync servers sum
@@ -270,6 +270,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
     workers, hvd.Sum leaves the sum (sync, allreduce). gradient_predivide_factor (Horovod's): with
     hvd.Average, divide by it before the sum and by size/factor after. sparse_as_dense: accepted
     for Horovod's scripts; kvps always sends a sparse gradient (nn.Embedding(sparse=True)) dense.
+    staleness (BytePS's): 0 only; BytePS's pipelined steps are kvps's mode="async" or dist_ssp.
 
     The result shares the wrapped optimizer's param groups and state; use it, not the original.
     Every worker must wrap the same parameters, with the same names, in the same order.
@@ -278,6 +279,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, mode=None, compressio
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not a {type(optimizer).__name__}")
     if isinstance(optimizer, _Distributed):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    if staleness != 0:
+        raise ValueError(f"staleness={staleness!r}: BytePS's pipelined steps are not supported; kvps's stale "
+                         f"training is mode='async' or a dist_ssp:S kvstore (docs/consistency.md)")
     if mode is None:
         mode = _SESSION.mode_of(_SESSION.kvstore(kvstore=kvstore, k_steps=k_steps))
     average = horovod.reduction(op)

@@ -1,5 +1,6 @@
 """A horovod.torch script, written as Horovod's examples write it, runs on kvps with only its import
-changed (`import kvps.torch as hvd`), on a ring job (kvps launch -s 0) and on a server job."""
+changed (`import kvps.torch as hvd`), on a ring job (kvps launch -s 0) and on a server job; so do
+Horovod's asynchronous allreduce and BytePS's push_pull names (`import kvps.torch as bps`)."""
 
 import numpy as np
 import pytest
@@ -77,6 +78,16 @@ opt3 = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), emb.n
 emb(torch.tensor([hvd.rank()])).sum().backward()
 opt3.step()
 out["emb"] = emb.weight.detach().tolist()
+# Horovod's asynchronous allreduce, and BytePS's names for the same (import kvps.torch as bps)
+h = hvd.allreduce_async_(torch.full((3,), float(hvd.rank() + 1)), op=hvd.Sum, name="async")
+while not hvd.poll(h):
+    pass
+out["async_sum"] = hvd.synchronize(h).tolist()
+bps = hvd
+bps.declare("pp")
+out["push_pull"] = bps.push_pull(torch.tensor([float(bps.rank())]), name="pp").tolist()
+handle = bps.push_pull_async_inplace(torch.ones(2) * (bps.rank() + 1), average=False, name="ppa", priority=3)
+out["push_pull_async"] = bps.synchronize(handle).tolist()
 print(json.dumps(out), flush=True)
 hvd.shutdown()
 '''
@@ -108,4 +119,6 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
     assert results[0]["emb"] == results[1]["emb"]
     np.testing.assert_allclose(results[0]["emb"], np.add(results[0]["emb0"], [[-0.5] * 2] * 2 + [[0] * 2] * 4),
                                rtol=1e-6)
+    for r in results:
+        assert (r["async_sum"], r["push_pull"], r["push_pull_async"]) == ([3.0] * 3, [0.5], [3.0, 3.0]), r
     assert c.wait_daemons() == [0] * (1 + servers)

@@ -117,6 +117,13 @@ def test_misuse_is_reported():
     with pytest.raises(ValueError, match="cannot run on a local kvstore"):
         kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="async", update_on="worker",
                                 kvstore=kvps.create("local"))
+    with pytest.raises(ValueError, match="staleness=1: BytePS's pipelined steps are not supported"):
+        kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), staleness=1,
+                                kvstore=kvps.create("local"))
+    with pytest.raises(ValueError, match="compress in DistributedOptimizer"):
+        kt.push_pull(torch.ones(2), compression=kt.Compression.fp16)
+    with pytest.raises(ValueError, match="bps.declare takes a tensor's name"):
+        kt.declare("")
 
 
 def test_lr_scheduler_drives_the_wrapped_optimizer():
