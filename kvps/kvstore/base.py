@@ -40,6 +40,10 @@ _UNSET = object()
 
 
 def _check_key(key):
+    """The key as kvps keeps it: an int or a str (a numpy integer, as a loop over np.arange gives
+    keys, becomes its int)."""
+    if isinstance(key, np.integer):
+        return int(key)
     if isinstance(key, bool) or not isinstance(key, (int, str)):
         raise TypeError(f"key {key!r} is a {type(key).__name__}; keys are int or str")
     return key

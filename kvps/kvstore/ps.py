@@ -168,7 +168,7 @@ class DistKVStore(KVStore):
         and the timeline name it by, where it is not `op` (a push that travels as a PUSHPULL)."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        if type(priority) is not int and (not isinstance(priority, numbers.Integral) or isinstance(priority, bool)):
             raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
         self._check_returned()
         if self.cfg.replicas:       # to the head of each range's chain, which it names (kvps/wire/chains.py)

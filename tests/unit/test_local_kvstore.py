@@ -77,6 +77,14 @@ def test_local_push_sums_a_list_and_replaces():
     assert o.tolist() == [0, 1, 2]
     with pytest.raises(KVKeyError, match="already initialised"):
         kv.init(3, np.ones(4, np.float32))
+    for i in np.arange(3, 4):                                # numpy integer keys are their ints
+        kv.push(i, np.full(4, 6, np.float32))
+        kv.pull([i], out=[out])
+    assert out.tolist() == [6.0] * 4
+    with pytest.raises(KVKeyError, match="already initialised"):
+        kv.init(np.int32(3), np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="keys are int or str"):
+        kv.push(3.0, np.ones(4, np.float32))
 
 
 def test_local_row_sparse_pull_fills_rows_and_zeroes_the_rest():
