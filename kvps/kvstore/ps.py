@@ -102,6 +102,27 @@ class Messages:
                 for server, (entries, payloads, _, shared) in self._all)
 
 
+class _What:
+    """What a call is, for its errors ("push of keys 'a', 'b' and 3 more"): written out only when
+    printed, so a call that succeeds (nearly all) makes one small object instead of the text.
+    `infos`: KeyInfos, or (KeyInfo, value) pairs."""
+    __slots__ = ("op", "infos")
+
+    def __init__(self, op, infos):
+        self.op, self.infos = op, infos
+
+    def __str__(self):
+        infos = [i[0] if type(i) is tuple else i for i in self.infos]
+        keys = [repr(i.key) for i in infos[:4]]
+        more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
+        return f"{self.op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
+
+    def __format__(self, spec):
+        return format(str(self), spec)
+
+    __repr__ = __str__
+
+
 class DistKVStore(KVStore):
     """`consistency`: a kvps.ps.consistency.Consistency, or its wire string ("sync", "ssp:4", ...);
     kvps.create() builds it from the type name and options."""
@@ -230,9 +251,7 @@ class DistKVStore(KVStore):
 
     @staticmethod
     def _what(op, infos):
-        keys = [repr(i.key) for i in infos[:4]]
-        more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
-        return f"{op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
+        return _What(op, infos)
 
     def _with_values(self, items, codec=None, shared=None, replies=False):
         """Messages carrying each array's parts; with a codec, float32 parts go compressed. The keys
@@ -511,7 +530,7 @@ class DistKVStore(KVStore):
         keys = [info.key for info, _ in items]
         if self._checkpoints.every:
             self._checkpoints.before_push(keys, self.wait_all)
-        what = self._what("push", [i for i, _ in items])
+        what = self._what("push", items)
         shared = self._shareable(items, self._codec)
         if async_op:
             self._forget(keys)
@@ -612,7 +631,7 @@ class DistKVStore(KVStore):
             stash.left(keys)
         for finish in _finishers(items):
             finish()
-        return Handle.completed(self._what("pull", [i for i, _ in items]))
+        return Handle.completed(self._what("pull", items))
 
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
         values = self._values(key, value, "pushpull")
@@ -622,7 +641,7 @@ class DistKVStore(KVStore):
         self._straggle(values)
         outs = self._outs(key, value if out is None else out, "pushpull")
         messages = self._with_values(values, self._codec, self._shareable(values, self._codec), replies=True)
-        return self._send(Op.PUSHPULL, self._what("pushpull", [i for i, _ in values]), messages,
+        return self._send(Op.PUSHPULL, self._what("pushpull", values), messages,
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
                           then=_finishers(outs), priority=priority)
 
@@ -672,7 +691,7 @@ class DistKVStore(KVStore):
                             mine, got = rows[keep], values[keep]
                         for o in outs:
                             o.array[mine] = got
-        return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", [i for i, _ in items]), messages,
+        return self._send(Op.ROW_SPARSE_PULL, self._what("row_sparse_pull", items), messages,
                           on_reply=fill, keep=(items, messages), async_op=async_op, then=_finishers(items),
                           priority=priority)
 

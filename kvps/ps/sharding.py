@@ -13,6 +13,7 @@ traffic over all servers, a server can answer one part while the next arrives,
 and a row-sparse pull asks each server only for its own rows.
 """
 import dataclasses
+import functools
 import hashlib
 import math
 
@@ -36,15 +37,16 @@ class Part:
     row_stop: int
     row_size: int      # elements per row
 
-    @property
+    # element bounds, computed once (a per-key call reads them several times)
+    @functools.cached_property
     def start(self):
         return self.row_start * self.row_size
 
-    @property
+    @functools.cached_property
     def stop(self):
         return self.row_stop * self.row_size
 
-    @property
+    @functools.cached_property
     def size(self):
         return self.stop - self.start
 
