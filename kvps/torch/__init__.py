@@ -31,7 +31,9 @@ from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from kvps.torch.byteps import (declare, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace)
 from kvps.torch.horovod import (Adasum, Average, Compression, Sum, allgather, allgather_object, allreduce,
                                 allreduce_, allreduce_async, allreduce_async_, broadcast, broadcast_, broadcast_object,
-                                cross_rank, cross_size, gloo_built, gloo_enabled, is_initialized, local_rank,
+                                cross_rank, cross_size, gloo_built, gloo_enabled, grouped_allreduce,
+                                grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                                is_initialized, local_rank,
                                 local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank,
                                 shutdown, size, synchronize)
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
@@ -45,6 +47,7 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            # Horovod's names (kvps/torch/horovod.py): import kvps.torch as hvd
            "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_initialized", "shutdown",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
            "Compression", "Average", "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled",
            "mpi_threads_supported", "gloo_built", "gloo_enabled",

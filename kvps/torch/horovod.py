@@ -226,13 +226,58 @@ def allreduce_async(tensor, average=None, name=None, op=None):
     return _start(tensor.detach().clone(), average, name, op)
 
 
+class Group:
+    """The allreduces of one grouped call (grouped_allreduce_async_): done when all are; its result
+    is the list of their tensors."""
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def done(self):
+        return all(p.handle.done() for p in self.pending)
+
+    def result(self):
+        return [p.result() for p in self.pending]
+
+
+def _group(tensors, average, name, op):
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"grouped_allreduce takes a list of tensors, not a {type(tensors).__name__}")
+    return Group([_start(t, average, None if name is None else f"{name}.{i}", op) for i, t in enumerate(tensors)])
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None):
+    """Horovod's grouped allreduce without waiting: every tensor summed or averaged in place; a handle
+    for poll() and synchronize(), which gives the list."""
+    return _group(tensors, average, name, op)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None):
+    """Sum or average every tensor of the list over every worker, in place; returns the list."""
+    return _group(tensors, average, name, op).result()
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None):
+    """grouped_allreduce without waiting: synchronize(handle) gives the results as new tensors."""
+    return _group([t.detach().clone() for t in tensors], average, name, op)
+
+
+def grouped_allreduce(tensors, average=None, name=None, op=None, compression=None):
+    """The sums or averages of a list of tensors over every worker, as new tensors (Horovod's
+    hvd.grouped_allreduce: one call for many tensors)."""
+    if compression not in (None, Compression.none):
+        raise ValueError("hvd.grouped_allreduce(compression=...) is not supported: compress in DistributedOptimizer")
+    return grouped_allreduce_async(tensors, average, name, op).result()
+
+
 def poll(handle):
-    """Whether the allreduce of `handle` is done (synchronize then returns at once)."""
-    return handle.handle.done()
+    """Whether the allreduce (or group) of `handle` is done (synchronize then returns at once)."""
+    return handle.done() if isinstance(handle, Group) else handle.handle.done()
 
 
 def synchronize(handle):
-    """Wait for the allreduce of `handle`; its tensor. Raises its error (a dead peer, a timeout)."""
+    """Wait for the allreduce of `handle`: its tensor (a group's: the list). Raises its error (a dead
+    peer, a timeout)."""
     return handle.result()
 
 

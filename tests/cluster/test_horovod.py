@@ -83,6 +83,8 @@ h = hvd.allreduce_async_(torch.full((3,), float(hvd.rank() + 1)), op=hvd.Sum, na
 while not hvd.poll(h):
     pass
 out["async_sum"] = hvd.synchronize(h).tolist()
+group = hvd.grouped_allreduce([torch.full((2,), float(hvd.rank())), torch.ones(3, dtype=torch.float64)], name="g")
+out["grouped"] = [t.tolist() for t in group]
 bps = hvd
 bps.declare("pp")
 out["push_pull"] = bps.push_pull(torch.tensor([float(bps.rank())]), name="pp").tolist()
@@ -121,4 +123,5 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
                                rtol=1e-6)
     for r in results:
         assert (r["async_sum"], r["push_pull"], r["push_pull_async"]) == ([3.0] * 3, [0.5], [3.0, 3.0]), r
+        assert r["grouped"] == [[0.5, 0.5], [1.0, 1.0, 1.0]], r
     assert c.wait_daemons() == [0] * (1 + servers)
