@@ -13,7 +13,9 @@ scheduler always runs on the launcher's machine, at `scheduler_host`.
 Every child is watched, daemons included. The first worker that fails, or a daemon that exits
 non-zero (or is killed by a signal) while workers still run, stops the job at once, with a line
 that names it ("S1 was killed by SIGKILL"), and its exit code becomes the job's (128+N for a
-signal). Nothing waits for the heartbeat timeout: the launcher sees the exit itself.
+signal). Nothing waits for the heartbeat timeout: the launcher sees the exit itself. In an elastic
+job (KVPS_ELASTIC, `kvps launch --elastic`) a worker that dies while others run is said and the
+job goes on: the scheduler takes it out of the rounds, and the job's code is the other workers'.
 
 A replicated job (KVPS_REPLICAS=R) goes on when a server dies, and the launcher starts a new server
 as that node (same command, variables and key) once the scheduler has declared the old one dead, so
@@ -55,15 +57,18 @@ def forwarded_env(environ, extra):
     return env
 
 
-def judge(name, returncode, workers_running, describe, replicated=False):
+def judge(name, returncode, workers_running, describe, replicated=False, elastic=False):
     """The line that stops a job when child `name` exits with `returncode`, or None when the job goes
-    on: a failed worker stops it, and so does a daemon that fails while workers still run (its
-    death would reach the workers only after the heartbeat timeout), except a server of a
+    on: a failed worker stops it, unless other workers still run in an `elastic` job (KVPS_ELASTIC:
+    the scheduler takes it out of the rounds), and so does a daemon that fails while workers still
+    run (its death would reach the workers only after the heartbeat timeout), except a server of a
     `replicated` job (KVPS_REPLICAS: the scheduler moves its ranges to their replicas, or fails the
     job when none is left). describe(name, code) words it."""
     if not returncode:
         return None
     if name.startswith("W"):
+        if elastic and workers_running:
+            return None
         return f"worker {describe(name, returncode)}; stopping the job"
     if replicated and name.startswith("S"):
         return None
@@ -116,6 +121,9 @@ class Job:
         self.scheduler_address = None
         self.secrets = {}                       # node name -> its secret file, for a CURVE job
         self.replicas = int(self.env.get("KVPS_REPLICAS") or 0)
+        # (elastic membership is the parameter server's: a ring job still ends with its first dead worker)
+        self.elastic = self.env.get("KVPS_ELASTIC", "0") not in ("", "0") and num_servers > 0
+        self.left = set()                       # workers of an elastic job that died while others went on
         if restart_servers is not None and restart_servers < 0:
             raise ConfigError(f"--restart-servers {restart_servers}: the number of replacements cannot be negative")
         if restart_servers and not self.replicas:
@@ -195,8 +203,14 @@ class Job:
                 self._replace_due()
                 continue
             name, returncode = exited
-            verdict = judge(name, returncode, bool(self.children.running(workers)), self.placement.describe,
-                            replicated=self.replicas > 0)
+            running = bool(self.children.running(workers))
+            verdict = judge(name, returncode, running, self.placement.describe, replicated=self.replicas > 0,
+                            elastic=self.elastic)
+            if returncode and verdict is None and name.startswith("W"):
+                self._say(f"worker {self.placement.describe(name, returncode)}; the job goes on with the other "
+                          f"workers (KVPS_ELASTIC: the scheduler takes it out of the rounds once its heartbeats "
+                          f"stop; a worker started again with the same command joins the job)")
+                self.left.add(name)
             if returncode and verdict is None and name.startswith("S") and self.replicas:
                 self._say(f"{self.placement.describe(name, returncode)}; its key ranges go on at their "
                           f"replicas (KVPS_REPLICAS={self.replicas})"

@@ -4,6 +4,7 @@ import json
 
 import torch
 
+from kvps.errors import KVPSError
 from kvps.torch.session import _SESSION, SUMMING
 
 
@@ -19,8 +20,22 @@ def _words(t):
     return words, lambda: t.copy_(words.view(torch.uint8)[:n].view(t.dtype).reshape(t.shape))
 
 
+def _refuse_late(kv, what):
+    """A worker that joined a running elastic job (kvps launch --elastic) would get, from a broadcast,
+    what the root sent when the job began: the others do not broadcast again. Where the weights live
+    on the workers (sync), that is a stale model, so it is refused, loudly."""
+    node = getattr(kv, "_node", None)
+    if node is not None and node.membership.get("late") and _SESSION.mode_of(kv) != "async":
+        raise KVPSError(f"{what}: this worker joined a running elastic job, and in mode "
+                        f"{_SESSION.mode_of(kv)!r} the weights live on the workers, which do not broadcast "
+                        f"again: it would start from the job's first values. Train an elastic job whose "
+                        f"workers may be replaced with mode='async' (the weights live on the servers), or "
+                        f"restart the whole job from a checkpoint (kvps launch --resume)")
+
+
 def _broadcast(named, root_rank, kv, kind):
     """Every worker ends with the root's values of the tensors in [(name, tensor)], in place."""
+    _refuse_late(kv, "broadcast")
     prefix = _SESSION.prefix(kv, kind)
     if not isinstance(root_rank, int) or not 0 <= root_rank < kv.num_workers:
         raise ValueError(f"root_rank={root_rank!r} is not a worker rank (0..{kv.num_workers - 1})")

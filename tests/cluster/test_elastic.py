@@ -1,13 +1,17 @@
 """Elastic workers (KVPS_ELASTIC=1) on a real job: kill -9 one worker of three in a dist_sync job;
 the others go on, their rounds summing the workers that remain, and see num_workers drop to 2; a
 replacement started with the same command joins, gets the current weights, and the count is 3 again
-(over CurveZMQ too, the replacement holding its rank's key)."""
+(over CurveZMQ too, the replacement holding its rank's key), while kvps.torch refuses to broadcast it
+the job's first weights in sync mode. `kvps launch --elastic` goes on when a worker is killed."""
+import json
+import os
+import subprocess
 import sys
 import time
 
 import pytest
 
-from harness import wait_for
+from harness import FAST_ENV, PY, wait_for
 
 # Every worker pushes rank + 1 into "k" each step, so a round's value names who was in it:
 # 6 = W0 + W1 + W2, 4 = W0 + W2. The survivors stop after FULL rounds with the replacement in them;
@@ -21,6 +25,15 @@ kv.init("k", w)           # a replacement's init sets nothing: it reads the curr
 print(json.dumps({"start": True, "n": kv.num_workers, "w": w.tolist()}), flush=True)
 out = np.zeros(4, np.float32)
 late = kv._node.membership.get("late", False)
+if late:        # kvps.torch's broadcast would give it the job's first weights in sync mode: refused
+    import torch, kvps.torch as kt
+    kt.init(kvstore=kv)
+    try:
+        kt.broadcast_parameters({"p": torch.zeros(2)}, root_rank=0)
+        refused = None
+    except kvps.KVPSError as exc:
+        refused = str(exc)
+    print(json.dumps({"refused": refused}), flush=True)
 seen_four, full = False, 0
 for step in range(400):
     if os.environ.get("DIE_AT") == str(step):
@@ -73,6 +86,8 @@ def test_dead_worker_is_removed_and_replaced(cluster, curve):
     # the replacement's init got the current value: the last round W0 and W2 closed without it
     assert new_lines[0]["n"] == 3 and new_lines[0]["w"] == [4.0] * 4, new_lines[0]
     assert [line["value"] for line in new_lines if "step" in line] == [6.0] * 5
+    refused = [line["refused"] for line in new_lines if "refused" in line]
+    assert refused and "joined a running elastic job" in refused[0] and "mode='async'" in refused[0], new_lines
     assert removed_after < 2.0 + 3.0, removed_after      # harness: KVPS_HEARTBEAT_TIMEOUT=2
     assert c.wait_daemons() == [0, 0, 0], c.logs()
 
@@ -93,3 +108,31 @@ def test_without_elastic_a_dead_worker_ends_the_job(cluster):
     scheduler_log = (c.dir / "H.err").read_text()
     assert "no heartbeat from W1" in scheduler_log and "W0" not in scheduler_log, scheduler_log   # one culprit
     assert took < 2.0 + 3.0, took     # within about one heartbeat timeout (harness: 2 s), not two
+
+
+LAUNCHED = r'''
+import json, os, signal, time, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("k", np.zeros(2, np.float32))
+out = np.zeros(2, np.float32)
+for step in range(30):
+    if kv.rank == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    kv.pushpull("k", np.full(2, kv.rank + 1, np.float32), out=out)
+    time.sleep(0.02)
+print(json.dumps({"rank": kv.rank, "last": float(out[0]), "n": kv.num_workers}), flush=True)
+'''
+
+
+def test_launch_elastic_goes_on_when_a_worker_is_killed(tmp_path):
+    """kvps launch --elastic: a worker killed by SIGKILL is said, and the job goes on with the others
+    (their rounds sum W0 and W2 once the scheduler has taken W1 out); the job's code is theirs."""
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", "3", "-s", "1", "--elastic", "--", PY, str(script)],
+                          env=dict(os.environ, **FAST_ENV), capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "worker W1 was killed by SIGKILL; the job goes on with the other workers" in proc.stdout, proc.stdout
+    results = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
+               if line.startswith(("[W0] {", "[W2] {"))]
+    assert sorted(r["rank"] for r in results) == [0, 2] and all(r == dict(r, last=4.0, n=2) for r in results), results
