@@ -282,7 +282,11 @@ class RayJob:
                 continue
             finished[name] = returncode
             running.discard(name)
-            verdict = judge(name, returncode, bool(running), _describe(self.nodes))
+            elastic = self.env.get("KVPS_ELASTIC", "0") not in ("", "0") and self.num_servers > 0
+            verdict = judge(name, returncode, bool(running), _describe(self.nodes), elastic=elastic)
+            if returncode and verdict is None and name.startswith("W"):
+                self._say(f"worker {_describe(self.nodes)(name, returncode)}; the job goes on with the other "
+                          f"workers (KVPS_ELASTIC)")
             if verdict:
                 self._say(verdict)
                 code = exit_code(returncode)
