@@ -55,16 +55,19 @@ def cmd_launch(args):
                           9091 if args.port is None else args.port, env, dry_run=args.dry_run,
                           worker_env=worker_env, python=args.python, sync_dst_dir=args.sync_dst_dir,
                           host=args.host, interface=Config.from_env().interface, ssh_options=options,
-                          restart_servers=args.restart_servers)
+                          restart_servers=args.restart_servers, restart_workers=args.restart_workers)
     if args.launcher == "ray":
         from kvps.ray import launch_ray
         if args.dry_run or args.hostfile:
             raise KVPSError("--dry-run and -H are for --launcher ssh")
         if args.restart_servers:
             raise KVPSError("--restart-servers is for --launcher local and ssh (under Ray a dead server ends the job)")
+        if args.restart_workers:
+            raise KVPSError("--restart-workers is for --launcher local and ssh")
         return launch_ray(args.num_workers, args.num_servers, command, env, address=args.address,
                           worker_env=worker_env, python=args.python, cpus=args.cpus_per_process)
-    return launch.launch_local(args.num_workers, args.num_servers, command, env, worker_env, args.restart_servers)
+    return launch.launch_local(args.num_workers, args.num_servers, command, env, worker_env, args.restart_servers,
+                               args.restart_workers)
 
 
 def cmd_k8s(args):
@@ -155,6 +158,9 @@ def parser():
     s.add_argument("--restart-servers", type=int, default=None, metavar="N",
                    help="with --replicas: start a new server in place of one that dies, at most N times over the "
                         "job (default: the number of servers; 0: never), so the job gets its R replicas back")
+    s.add_argument("--restart-workers", type=int, default=0, metavar="N",
+                   help="with --elastic: start a worker again, with the same command and rank, in place of one "
+                        "that dies, at most N times over the job (default 0: the job goes on without it)")
     s.add_argument("--straggler", action="append", default=[], metavar="RANK=SPEC",
                    help="slow worker RANK by an extra delay per step: fixed:S, exp:MEAN or uniform:LO:HI "
                         "seconds (repeatable; see kvps/straggler.py)")

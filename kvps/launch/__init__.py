@@ -36,10 +36,13 @@ def straggler_env(items, num_workers, seed=0):
             for rank, spec in parse_assignments(items, num_workers).items()}
 
 
-def launch_local(num_workers, num_servers, command, env=None, worker_env=None, restart_servers=None):
+def launch_local(num_workers, num_servers, command, env=None, worker_env=None, restart_servers=None,
+                 restart_workers=0):
     """Run a job on this machine; returns its exit code (130 after Ctrl-C). restart_servers: the most
-    replacements of dead servers in a replicated job (default: one per server)."""
-    return run(Job(num_workers, num_servers, command, env, worker_env=worker_env, restart_servers=restart_servers))
+    replacements of dead servers in a replicated job (default: one per server); restart_workers: of
+    dead workers in an elastic job (default: none)."""
+    return run(Job(num_workers, num_servers, command, env, worker_env=worker_env, restart_servers=restart_servers,
+                   restart_workers=restart_workers))
 
 
 __all__ = ["Job", "Local", "run", "parse_env", "straggler_env", "launch_local"]

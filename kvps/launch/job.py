@@ -100,10 +100,12 @@ class Job:
     """The processes of one job, each started and stopped by this object only."""
 
     def __init__(self, num_workers, num_servers, command, env=None, out=None, python=None, worker_env=None,
-                 placement=None, scheduler_host=None, scheduler_port=0, restart_servers=None):
+                 placement=None, scheduler_host=None, scheduler_port=0, restart_servers=None, restart_workers=0):
         """restart_servers: the most servers started to replace dead ones in a replicated job
-        (default: the number of servers; 0: none). Raises ConfigError for a bad job size, no command,
-        or restart_servers that is negative or given for a job without replicas."""
+        (default: the number of servers; 0: none); restart_workers: the most workers started again,
+        with the same command, in place of dead ones in an elastic job (default 0). Raises
+        ConfigError for a bad job size, no command, or a restart budget that is negative or given for
+        a job that cannot use it."""
         if num_workers < 1 or num_servers < 0:
             raise ConfigError(f"a job needs at least one worker and no negative number of servers "
                               f"(got -n {num_workers} -s {num_servers})")
@@ -124,6 +126,13 @@ class Job:
         # (elastic membership is the parameter server's: a ring job still ends with its first dead worker)
         self.elastic = self.env.get("KVPS_ELASTIC", "0") not in ("", "0") and num_servers > 0
         self.left = set()                       # workers of an elastic job that died while others went on
+        if restart_workers < 0:
+            raise ConfigError(f"--restart-workers {restart_workers}: the number of replacements cannot be negative")
+        if restart_workers and not self.elastic:
+            raise ConfigError(f"--restart-workers {restart_workers} replaces the dead workers of an elastic "
+                              f"parameter-server job: it needs --elastic (KVPS_ELASTIC) and -s 1 or more")
+        self.restart_workers = restart_workers
+        self.worker_restarts = None             # Restarts of workers, from start() on, with restart_workers
         if restart_servers is not None and restart_servers < 0:
             raise ConfigError(f"--restart-servers {restart_servers}: the number of replacements cannot be negative")
         if restart_servers and not self.replicas:
@@ -153,11 +162,15 @@ class Job:
         placement puts them. Returns self. Raises KVTimeoutError (after stopping what it started)
         if the scheduler does not get ready; OSError if a program cannot be started."""
         self.secrets = make_keys(self.env, self.num_workers, self.num_servers, self.placement.remote)
-        if self.replicas:
+        if self.replicas or self.restart_workers:
             from kvps.config import Config
             cfg = Config.from_env(self.env)
-            # The scheduler checks every half interval for a server silent past the timeout.
-            self.restarts = Restarts(self.restart_servers, cfg.heartbeat_timeout + cfg.heartbeat_interval)
+            # The scheduler checks every half interval for a node silent past the timeout.
+            delay = cfg.heartbeat_timeout + cfg.heartbeat_interval
+            if self.replicas:
+                self.restarts = Restarts(self.restart_servers, delay)
+            if self.restart_workers:
+                self.worker_restarts = Restarts(self.restart_workers, delay, "--restart-workers")
         scheduler_env = dict(self.env, **self.job_env(), KVPS_ROLE="scheduler")
         if self.secrets:
             scheduler_env["KVPS_SECRET_FILE"] = self.secrets["H"]
@@ -191,8 +204,9 @@ class Job:
         workers = [n for n in self.children.procs if n.startswith("W")]
         code = 0
         give_up = None if timeout is None else time.monotonic() + timeout
-        while self.children.running(workers):
-            wake = min((t for t in (give_up, self.restarts and self.restarts.next_due()) if t), default=None)
+        while self.children.running(workers) or (self.worker_restarts and self.worker_restarts.pending):
+            wake = min((t for t in (give_up, self.restarts and self.restarts.next_due(),
+                                    self.worker_restarts and self.worker_restarts.next_due()) if t), default=None)
             exited = self.children.wait_any(None if wake is None else wake - time.monotonic())
             if exited is None:
                 if give_up is not None and time.monotonic() >= give_up:
@@ -201,6 +215,7 @@ class Job:
                     raise KVTimeoutError(f"the job did not finish within {timeout:g} s (workers still running: "
                                          f"{running or 'none'}); stopped it")
                 self._replace_due()
+                workers = [n for n in self.children.procs if n.startswith("W")]      # and the replacements
                 continue
             name, returncode = exited
             running = bool(self.children.running(workers))
@@ -209,7 +224,7 @@ class Job:
             if returncode and verdict is None and name.startswith("W"):
                 self._say(f"worker {self.placement.describe(name, returncode)}; the job goes on with the other "
                           f"workers (KVPS_ELASTIC: the scheduler takes it out of the rounds once its heartbeats "
-                          f"stop; a worker started again with the same command joins the job)")
+                          f"stop){self._replace_worker_later(name)}")
                 self.left.add(name)
             if returncode and verdict is None and name.startswith("S") and self.replicas:
                 self._say(f"{self.placement.describe(name, returncode)}; its key ranges go on at their "
@@ -220,8 +235,9 @@ class Job:
                 self._say(verdict)
                 code = exit_code(returncode)
                 break
-        if self.restarts:
-            self.restarts.cancel()               # the workers are done, or the job is stopping
+        for restarts in (self.restarts, self.worker_restarts):
+            if restarts:
+                restarts.cancel()                # the workers are done, or the job is stopping
         if code == 0:
             self.children.wait(DRAIN_TIMEOUT, [n for n in self.children.procs if n not in self.replacements])
             self._end_replacements()
@@ -248,8 +264,36 @@ class Job:
         return (f"; starting a replacement {node} in {self.restarts.delay:.1f} s, once the scheduler has "
                 f"declared it dead (restart {decision.number} of {self.restarts.budget}, --restart-servers)")
 
+    def _replace_worker_later(self, name):
+        """Plan the start of a new worker in place of the dead child `name` (--restart-workers); the
+        words that say what was decided."""
+        if not self.worker_restarts:
+            return "; a worker started again with the same command joins the job (or: --restart-workers N)"
+        node = node_of(name)
+        decision = self.worker_restarts.died(node, time.monotonic())
+        if decision.start_at is None:
+            return f"; not starting it again: {decision.why}"
+        return (f"; starting it again in {self.worker_restarts.delay:.1f} s, once the scheduler has taken it out "
+                f"(restart {decision.number} of {self.worker_restarts.budget}, --restart-workers)")
+
     def _replace_due(self):
         """Start the replacements that are due, unless the scheduler is gone (the job is ending)."""
+        if self.worker_restarts:
+            for node, decision in self.worker_restarts.due(time.monotonic()):
+                if not self.children.running(["H"]):
+                    self._say(f"not starting {node} again: the scheduler has exited")
+                    continue
+                child = self.worker_restarts.child(node)
+                rank = int(node[1:])
+                self._say(f"starting {node} again ({child}, restart {decision.number} of "
+                          f"{self.worker_restarts.budget}): it joins the job at its next rounds")
+                try:
+                    self._spawn(child, self.command, dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)},
+                                                          **self.worker_env.get(rank, {})))
+                except OSError as exc:
+                    self._say(f"could not start {child}: {exc}; the job goes on without it")
+        if not self.restarts:
+            return
         for node, decision in self.restarts.due(time.monotonic()):
             if not self.children.running(["H"]):
                 self._say(f"not replacing {node}: the scheduler has exited")

@@ -1,4 +1,5 @@
-"""Which dead servers of a replicated job `kvps launch` replaces, and when: no processes here.
+"""Which dead servers of a replicated job (and, with --restart-workers, which dead workers of an elastic
+job) `kvps launch` replaces, and when: no processes here.
 
     plan = Restarts(budget=3, delay=11.0)            # --restart-servers 3; KVPS_HEARTBEAT_TIMEOUT + _INTERVAL
     plan.died("S1", now)        # -> Decision(start_at=now + 11.0, number=1) or Decision(None, ...)
@@ -44,12 +45,13 @@ class Decision:
 class Restarts:
     """The restart bookkeeping of one job: the budget, the replacements due, the child names."""
 
-    def __init__(self, budget, delay):
+    def __init__(self, budget, delay, flag="--restart-servers"):
         """budget: the most replacements started over the job; delay: seconds from a death to its
-        replacement. Raises ConfigError for a negative budget."""
+        replacement; flag: the option that set the budget, for the messages. Raises ConfigError for
+        a negative budget."""
         if budget < 0:
-            raise ConfigError(f"--restart-servers {budget}: the number of replacements cannot be negative")
-        self.budget, self.delay = budget, delay
+            raise ConfigError(f"{flag} {budget}: the number of replacements cannot be negative")
+        self.budget, self.delay, self.flag = budget, delay, flag
         self.used = 0                        # replacements scheduled so far (started or due)
         self.pending = {}                    # node -> the Decision to replace it, in the order they died
         self._incarnations = {}              # node -> children started as it (the original counts)
@@ -59,7 +61,7 @@ class Restarts:
         if node in self.pending:             # (cannot happen: nothing runs as it while it is due)
             return self.pending[node]
         if self.used >= self.budget:
-            return Decision(None, self.used, f"no restarts left (--restart-servers {self.budget})")
+            return Decision(None, self.used, f"no restarts left ({self.flag} {self.budget})")
         self.used += 1
         self.pending[node] = Decision(now + self.delay, self.used)
         return self.pending[node]

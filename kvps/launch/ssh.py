@@ -165,7 +165,7 @@ class Remote:
 
 def launch_ssh(num_workers, num_servers, command, hostfile, port, env=None, dry_run=False, out=None,
                worker_env=None, python=None, sync_dst_dir=None, host=None, interface=None, ssh_options=(),
-               restart_servers=None):
+               restart_servers=None, restart_workers=0):
     """Run a job over ssh (see the module docstring); returns its exit code. dry_run: print the
     commands instead. Raises ConfigError for a bad hostfile or when no address reaches the hosts."""
     out = out or sys.stdout
@@ -175,7 +175,8 @@ def launch_ssh(num_workers, num_servers, command, hostfile, port, env=None, dry_
     remote = Remote(hosts, num_servers, python or sys.executable, cwd, forwarded_env(os.environ, env or {}),
                     ssh_options)
     job = Job(num_workers, num_servers, command, env, out, python=remote.python, worker_env=worker_env,
-              placement=remote, scheduler_host=bind, scheduler_port=port, restart_servers=restart_servers)
+              placement=remote, scheduler_host=bind, scheduler_port=port, restart_servers=restart_servers,
+              restart_workers=restart_workers)
     if dry_run:
         job.scheduler_address = f"{bind}:{port}"
         out.write(f"[H] {shlex.join(job.scheduler_argv())}\n")

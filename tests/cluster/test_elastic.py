@@ -115,24 +115,43 @@ import json, os, signal, time, numpy as np, kvps
 kv = kvps.create("dist_sync")
 kv.init("k", np.zeros(2, np.float32))
 out = np.zeros(2, np.float32)
-for step in range(30):
-    if kv.rank == 1 and step == 3:
+late = kv._node.membership.get("late", False)
+again = os.environ.get("AGAIN") == "1"       # the launcher starts W1 again: stop once it has rejoined
+seen_four, full = False, 0
+for step in range(3000):
+    if kv.rank == 1 and step == 3 and not os.path.exists("killed"):
+        open("killed", "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     kv.pushpull("k", np.full(2, kv.rank + 1, np.float32), out=out)
+    seen_four = seen_four or out[0] == 4
+    full += out[0] == 6 and (seen_four or late)
+    if (again and full == 5) or (not again and step == 29):
+        break
     time.sleep(0.02)
-print(json.dumps({"rank": kv.rank, "last": float(out[0]), "n": kv.num_workers}), flush=True)
+print(json.dumps({"rank": kv.rank, "last": float(out[0]), "n": kv.num_workers, "late": late}), flush=True)
 '''
 
 
-def test_launch_elastic_goes_on_when_a_worker_is_killed(tmp_path):
+@pytest.mark.parametrize("again", [False, True], ids=["goes-on", "restarts"])
+def test_launch_elastic_goes_on_when_a_worker_is_killed(tmp_path, again):
     """kvps launch --elastic: a worker killed by SIGKILL is said, and the job goes on with the others
-    (their rounds sum W0 and W2 once the scheduler has taken W1 out); the job's code is theirs."""
+    (their rounds sum W0 and W2 once the scheduler has taken W1 out); the job's code is theirs. With
+    --restart-workers the launcher starts W1 again, which joins, and the rounds hold all three again."""
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED)
-    proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", "3", "-s", "1", "--elastic", "--", PY, str(script)],
-                          env=dict(os.environ, **FAST_ENV), capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    restart = ["--restart-workers", "1"] if again else []
+    proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", "3", "-s", "1", "--elastic", *restart, "--", PY,
+                           str(script)], env=dict(os.environ, **FAST_ENV, AGAIN="1" if again else "0"),
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "worker W1 was killed by SIGKILL; the job goes on with the other workers" in proc.stdout, proc.stdout
-    results = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
-               if line.startswith(("[W0] {", "[W2] {"))]
-    assert sorted(r["rank"] for r in results) == [0, 2] and all(r == dict(r, last=4.0, n=2) for r in results), results
+    results = {line.split("]", 1)[0][1:]: json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
+               if line.startswith("[W") and "] {" in line}
+    if not again:
+        assert sorted(results) == ["W0", "W2"] and all(r["last"] == 4.0 and r["n"] == 2 for r in results.values()), \
+            results
+        return
+    assert "starting W1 again (W1#2, restart 1 of 1)" in proc.stdout, proc.stdout
+    # the replacement prints under its node's name, W1
+    assert sorted(results) == ["W0", "W1", "W2"] and results["W1"]["late"], results
+    assert all(r["last"] == 6.0 and r["n"] == 3 for r in results.values()), results

@@ -74,3 +74,19 @@ def test_a_replacements_output_keeps_its_nodes_prefix_and_the_flag_needs_replica
     job = Job(2, 3, ["python", "train.py"], env={"KVPS_REPLICAS": "1"})
     assert job.restart_servers == 3                          # the default: one per server
     job.stop()
+
+
+def test_restarting_workers_needs_an_elastic_parameter_server_job():
+    from kvps.launch.job import Job, judge
+    with pytest.raises(ConfigError, match="--restart-workers 1 .* needs --elastic"):
+        Job(2, 1, ["python", "train.py"], env={"KVPS_ELASTIC": "0"}, restart_workers=1)
+    with pytest.raises(ConfigError, match="needs --elastic .* and -s 1 or more"):
+        Job(2, 0, ["python", "train.py"], env={"KVPS_ELASTIC": "1"}, restart_workers=1)    # a ring job ends
+    with pytest.raises(ConfigError, match="--restart-workers -1: the number of replacements cannot be negative"):
+        Job(2, 1, ["python", "train.py"], env={"KVPS_ELASTIC": "1"}, restart_workers=-1)
+    plan = Restarts(1, 3.0, "--restart-workers")
+    assert plan.died("W1", 0.0).start_at == 3.0 and plan.died("W2", 1.0).why == "no restarts left (--restart-workers 1)"
+    describe = lambda name, code: f"{name} exited with code {code}"      # noqa: E731
+    assert judge("W1", 137, True, describe, elastic=True) is None        # the others go on
+    assert judge("W1", 1, False, describe, elastic=True) == "worker W1 exited with code 1; stopping the job"
+    assert judge("W1", 1, True, describe) == "worker W1 exited with code 1; stopping the job"
