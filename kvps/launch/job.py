@@ -29,6 +29,7 @@ kvps.supervisor), the launcher keeps its children in its process group instead, 
 started it can stop the whole job, whatever state the launcher is in, by signalling that group.
 """
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -182,8 +183,14 @@ class Job:
             for rank in range(self.num_servers):
                 self._spawn(f"S{rank}", [self.python, *SERVER_ARGV], {"KVPS_ROLE": "server", "KVPS_RANK": str(rank)})
             for rank in range(self.num_workers):
-                self._spawn(f"W{rank}", self.command,
-                            dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)}, **self.worker_env.get(rank, {})))
+                try:
+                    self._spawn(f"W{rank}", self.command,
+                                dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)}, **self.worker_env.get(rank, {})))
+                except OSError as exc:
+                    hint = (f" (a Python script runs with its Python: kvps launch ... -- python "
+                            f"{shlex.join(self.command)})" if self.command[0].endswith(".py") else "")
+                    raise ConfigError(f"cannot start the worker command {shlex.join(self.command)!r}: "
+                                      f"{exc.strerror or exc}{hint}") from None
         except BaseException:
             self.stop()
             raise
