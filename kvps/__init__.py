@@ -17,7 +17,8 @@ optimizer.Updater, optimizer.get_updater = Updater, get_updater     # MXNet's mx
 
 __version__ = "0.1.0"
 
-__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "lr_scheduler", "KVPSError", "ConfigError", "ProtocolError",
+__all__ = ["create", "allreduce", "KVStore", "kv", "kvstore", "optimizer", "lr_scheduler", "KVPSError", "ConfigError",
+           "ProtocolError",
            "KVTimeoutError", "NodeFailure", "RemoteError", "KernelUnavailable", "__version__"]
 
 

@@ -97,8 +97,8 @@ def init(mode=None, kvstore=None, k_steps=None):
     with kvps.create for `mode` (sync: dist_sync, async: dist_async, allreduce: allreduce, geo:
     dist_geo with k_steps=K; None: sync, or allreduce in a job without servers, so Horovod's
     hvd.init() runs either way, and outside a job, a local kvstore: the process is the only
-    worker, as a Horovod script run without horovodrun is). Call it first when the first kvps.torch call is not the one that sets
-    the mode."""
+    worker, as a Horovod script run without horovodrun is). Call it first when the first
+    kvps.torch call is not the one that sets the mode."""
     return _SESSION.kvstore(mode, kvstore, k_steps)
 
 

@@ -455,8 +455,8 @@ def test_a_worker_command_that_cannot_start_is_a_clear_error(tmp_path):
     """`kvps launch -n 2 train.py` (no python before the script): a one-line error that says how to run
     it, exit code 2, and no daemon left behind (the launcher stops what it started)."""
     (tmp_path / "train.py").write_text("print('never')\n")
-    proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", "2", "-s", "1", "train.py"], env=dict(os.environ, **FAST_ENV),
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run([PY, "-m", "kvps.cli", "launch", "-n", "2", "-s", "1", "train.py"],
+                          env=dict(os.environ, **FAST_ENV), capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "kvps launch: error: cannot start the worker command 'train.py'" in proc.stderr, proc.stderr
     assert "kvps launch ... -- python train.py" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
