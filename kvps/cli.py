@@ -77,7 +77,8 @@ def cmd_k8s(args):
                            namespace=args.namespace, port=args.port, env=launch.parse_env(args.env),
                            resources=k8s.Resources(args.cpu, args.memory, args.gpus, args.server_cpu,
                                                    args.server_memory),
-                           keys=None if args.keys_placeholder else k8s.secret_data(args.num_workers, args.num_servers))
+                           keys=None if args.keys_placeholder else k8s.secret_data(args.num_workers, args.num_servers),
+                           elastic=args.elastic, restart_workers=args.restart_workers)
     text = k8s.dump(manifests)
     if args.output in (None, "-"):
         sys.stdout.write(text)
@@ -190,6 +191,10 @@ def parser():
     s.add_argument("--server-cpu", default="1", help="CPU request of each server")
     s.add_argument("--server-memory", default="2Gi", help="memory request of each server")
     s.add_argument("--env", action="append", default=[], help="KEY=VALUE for every container (repeatable)")
+    s.add_argument("--elastic", action="store_true", help="a dead worker is removed instead of ending the job "
+                                                          "(KVPS_ELASTIC=1 on every node)")
+    s.add_argument("--restart-workers", type=int, default=0, metavar="N",
+                   help="with --elastic: a failed worker's container starts again in its pod, at most N times")
     s.add_argument("--keys-placeholder", action="store_true",
                    help="leave the keys Secret empty (fill it from `kvps keys new`) instead of making keys")
     s.add_argument("-o", "--output", default=None, help="write here (mode 0600: it holds keys) instead of stdout")

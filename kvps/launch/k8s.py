@@ -11,7 +11,9 @@ What it writes (NAME is --name, default kvps-job):
     Service      NAME-scheduler   the scheduler's stable DNS name, which every node gets as KVPS_SCHEDULER
     StatefulSet  NAME-server      S servers; KVPS_RANK is the pod's ordinal (apps.kubernetes.io/pod-index)
     Service      NAME-server      headless (clusterIP None): stable per-pod names for the servers
-    Job          NAME-worker      W workers as an Indexed Job; KVPS_RANK is the completion index
+    Job          NAME-worker      W workers as an Indexed Job; KVPS_RANK is the completion index (with
+                                  --elastic --restart-workers N, a failed worker's container starts again
+                                  in its pod, at most N times: it rejoins the job as that rank)
 
 Every container gets KVPS_ROLE, KVPS_SCHEDULER, KVPS_NUM_WORKERS, KVPS_NUM_SERVERS, KVPS_RANK and
 KVPS_HOST (its pod IP, through the downward API), KVPS_SECRET_FILE (its own file in the Secret,
@@ -72,9 +74,12 @@ def secret_data(num_workers, num_servers):
 
 
 def render(num_workers, num_servers, image, command, name="kvps-job", namespace=None, port=9091, env=None,
-           resources=None, python="python", keys=None):
+           resources=None, python="python", keys=None, elastic=False, restart_workers=0):
     """The job's manifests, as a list of dicts in apply order. keys: the Secret's data (None: none,
-    a placeholder; secret_data() makes them). Raises ConfigError naming a bad value."""
+    a placeholder; secret_data() makes them). elastic: KVPS_ELASTIC=1 on every node, and workers whose
+    container Kubernetes starts again in place (same pod, same rank) when it fails, at most
+    restart_workers times over the Job (its backoffLimit), as `kvps launch --elastic
+    --restart-workers N` does. Raises ConfigError naming a bad value."""
     if num_workers < 1 or num_servers < 0:
         raise ConfigError(f"a job needs at least one worker and no negative number of servers "
                           f"(got -n {num_workers} -s {num_servers})")
@@ -89,7 +94,12 @@ def render(num_workers, num_servers, image, command, name="kvps-job", namespace=
         raise ConfigError(f"--namespace {namespace!r} is not a DNS label")
     if not 1 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number")
+    if restart_workers < 0 or (restart_workers and not (elastic and num_servers)):
+        raise ConfigError(f"--restart-workers {restart_workers}: give a number >= 0, and more than 0 only with "
+                          f"--elastic and -s 1 or more (elastic membership is the parameter server's)")
     env = dict(env or {})
+    if elastic:
+        env["KVPS_ELASTIC"] = "1"
     bad = [k for k in env if not ENV_NAME.match(k)]
     if bad:
         raise ConfigError(f"--env names {bad!r} are not environment variable names")
@@ -171,11 +181,12 @@ def render(num_workers, num_servers, image, command, name="kvps-job", namespace=
     docs.append({
         "apiVersion": "batch/v1", "kind": "Job", "metadata": meta(f"{name}-worker", "worker"),
         "spec": {
-            "completionMode": "Indexed", "completions": num_workers, "parallelism": num_workers, "backoffLimit": 0,
+            "completionMode": "Indexed", "completions": num_workers, "parallelism": num_workers,
+            "backoffLimit": restart_workers,
             "template": {"metadata": {"labels": labels("worker")},
                          "spec": pod_spec(container("worker", command,
                                                     "metadata.annotations['batch.kubernetes.io/job-completion-index']",
-                                                    res=resources.worker()), "Never")},
+                                                    res=resources.worker()), "OnFailure" if restart_workers else "Never")},
         },
     })
     return docs

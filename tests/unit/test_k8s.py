@@ -91,6 +91,7 @@ def test_a_broken_manifest_is_caught_by_the_validator():
     ({"port": 70000}, "--port 70000 is not a port number"),
     ({"env": {"1X": "y"}}, "are not environment variable names"),
     ({"command": []}, "no worker command given"),
+    ({"restart_workers": 2}, "--restart-workers 2: .* only with --elastic"),
 ])
 def test_bad_arguments_are_named(kwargs, why):
     args = dict(dict(num_workers=1, num_servers=1, image="img:1", command=["python", "t.py"]), **kwargs)
@@ -98,6 +99,22 @@ def test_bad_arguments_are_named(kwargs, why):
         k8s.render(**args)
     with pytest.raises(ConfigError, match="--memory '2GB' is not a Kubernetes quantity"):
         k8s.Resources(memory="2GB")
+
+
+def test_an_elastic_job_restarts_failed_workers_in_place():
+    """--elastic --restart-workers 3: every node gets KVPS_ELASTIC=1, and a failed worker's container
+    starts again in its pod (same completion index, so the same KVPS_RANK), at most 3 times."""
+    docs = k8s.render(3, 2, "img:1", ["python", "train.py"], name="mnist", elastic=True, restart_workers=3)
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    by = _by_kind(docs)
+    job = by[("Job", "mnist-worker")]["spec"]
+    assert job["backoffLimit"] == 3 and job["template"]["spec"]["restartPolicy"] == "OnFailure"
+    for key in (("Pod", "mnist-scheduler"), ("StatefulSet", "mnist-server")):
+        spec = by[key]["spec"] if key[0] == "Pod" else by[key]["spec"]["template"]["spec"]
+        assert _env(spec["containers"][0])["KVPS_ELASTIC"] == "1"
+    plain = _by_kind(k8s.render(3, 2, "img:1", ["python", "train.py"], name="mnist"))[("Job", "mnist-worker")]["spec"]
+    assert plain["backoffLimit"] == 0 and plain["template"]["spec"]["restartPolicy"] == "Never"
 
 
 def test_cli_writes_a_yaml_stream(tmp_path):
