@@ -126,7 +126,6 @@ class Job:
         self.replicas = int(self.env.get("KVPS_REPLICAS") or 0)
         # (elastic membership is the parameter server's: a ring job still ends with its first dead worker)
         self.elastic = self.env.get("KVPS_ELASTIC", "0") not in ("", "0") and num_servers > 0
-        self.left = set()                       # workers of an elastic job that died while others went on
         if restart_workers < 0:
             raise ConfigError(f"--restart-workers {restart_workers}: the number of replacements cannot be negative")
         if restart_workers and not self.elastic:
@@ -232,7 +231,6 @@ class Job:
                 self._say(f"worker {self.placement.describe(name, returncode)}; the job goes on with the other "
                           f"workers (KVPS_ELASTIC: the scheduler takes it out of the rounds once its heartbeats "
                           f"stop){self._replace_worker_later(name)}")
-                self.left.add(name)
             if returncode and verdict is None and name.startswith("S") and self.replicas:
                 self._say(f"{self.placement.describe(name, returncode)}; its key ranges go on at their "
                           f"replicas (KVPS_REPLICAS={self.replicas})"
