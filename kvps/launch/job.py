@@ -240,6 +240,8 @@ class Job:
                 self._say(verdict)
                 code = exit_code(returncode)
                 break
+        else:
+            code = self._unreported_failure()
         for restarts in (self.restarts, self.worker_restarts):
             if restarts:
                 restarts.cancel()                # the workers are done, or the job is stopping
@@ -255,6 +257,20 @@ class Job:
                           ", ".join(self.placement.describe(n, c) for n, c in daemons))
                 code = exit_code(daemons[0][1]) or 1
         return code
+
+    def _unreported_failure(self):
+        """The last workers can end at once: the loop stops when none runs, and exits it has not
+        handled yet wait in the Supervisor's queue. The first failed worker among them gives the job
+        its code (said as any other), or 0."""
+        while True:
+            exited = self.children.wait_any(0)
+            if exited is None:
+                return 0
+            name, returncode = exited
+            verdict = judge(name, returncode, False, self.placement.describe)
+            if verdict and name.startswith("W"):
+                self._say(verdict)
+                return exit_code(returncode)
 
     def _replace_later(self, name, workers_running):
         """Plan the replacement of the dead server child `name`; the words that say what was decided."""

@@ -90,3 +90,41 @@ def test_restarting_workers_needs_an_elastic_parameter_server_job():
     assert judge("W1", 137, True, describe, elastic=True) is None        # the others go on
     assert judge("W1", 1, False, describe, elastic=True) == "worker W1 exited with code 1; stopping the job"
     assert judge("W1", 1, True, describe) == "worker W1 exited with code 1; stopping the job"
+
+
+class _Ended:
+    """A Supervisor whose workers have all ended, W1 failing, when the job first looks: the exits
+    wait in its queue in the order they came."""
+
+    def __init__(self, exits):
+        self.procs = {name: None for name, _ in exits}
+        self._exits, self._codes, self.said = list(exits), dict(exits), []
+
+    def running(self, names=None):
+        return []
+
+    def wait_any(self, timeout):
+        return self._exits.pop(0) if self._exits else None
+
+    def wait(self, timeout, names=None):
+        return {}
+
+    def poll(self):
+        return dict(self._codes)
+
+    def stop(self):
+        pass
+
+    def emit(self, prefix, text):
+        self.said.append(text)
+
+
+def test_a_worker_that_fails_as_the_others_end_still_fails_the_job():
+    """The last workers can end at once: the launcher's loop stops when none runs, and a failure
+    still in the queue of exits gives the job its code (it once gave 0)."""
+    from kvps.launch.job import Job
+    job = Job(3, 1, ["python", "train.py"])
+    job.children = _Ended([("W0", 0), ("W1", 1), ("W2", 0), ("S0", 0)])
+    assert job.wait() == 1 and job.children.said == ["worker W1 exited with code 1; stopping the job"]
+    job.children = _Ended([("W0", 0), ("W1", 0), ("W2", 0)])
+    assert job.wait() == 0 and job.children.said == []
