@@ -22,7 +22,8 @@ docs/torch.md has the details.
 
 Its modules: session (the modes, the process's kvstore, init, join), broadcast, bucketing,
 optimizer (DistributedOptimizer), rules (torch optimizers as server-side update rules) and
-horovod (Horovod's process API: `import kvps.torch as hvd` runs a horovod.torch script) and byteps
+horovod (Horovod's process API: `import kvps.torch as hvd` runs a horovod.torch script), elastic
+(hvd.elastic.run and TorchState) and byteps
 (BytePS's push_pull names on top of it: `import kvps.torch as bps`).
 """
 import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstring)
@@ -36,6 +37,7 @@ from kvps.torch.horovod import (Adasum, Average, Compression, Sum, allgather, al
                                 is_initialized, local_rank,
                                 local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank,
                                 shutdown, size, synchronize)
+from kvps.torch import elastic
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
 from kvps.torch.optimizer import DistributedOptimizer
 from kvps.torch.server_optimizer import server_optimizer
@@ -50,6 +52,6 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object",
            "Compression", "Average", "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled",
-           "mpi_threads_supported", "gloo_built", "gloo_enabled",
+           "mpi_threads_supported", "gloo_built", "gloo_enabled", "elastic",
            # BytePS's (kvps/torch/byteps.py): import kvps.torch as bps
            "push_pull", "push_pull_inplace", "push_pull_async", "push_pull_async_inplace", "declare"]

@@ -1,6 +1,7 @@
 """A horovod.torch script, written as Horovod's examples write it, runs on kvps with only its import
 changed (`import kvps.torch as hvd`), on a ring job (kvps launch -s 0) and on a server job; so do
-Horovod's asynchronous allreduce and BytePS's push_pull names (`import kvps.torch as bps`)."""
+Horovod's asynchronous and grouped allreduce, its elastic API (hvd.elastic.run, TorchState) and
+BytePS's push_pull names (`import kvps.torch as bps`)."""
 
 import numpy as np
 import pytest
@@ -90,6 +91,23 @@ bps.declare("pp")
 out["push_pull"] = bps.push_pull(torch.tensor([float(bps.rank())]), name="pp").tolist()
 handle = bps.push_pull_async_inplace(torch.ones(2) * (bps.rank() + 1), average=False, name="ppa", priority=3)
 out["push_pull_async"] = bps.synchronize(handle).tolist()
+# Horovod's elastic API: rank 0's state (weights and epoch) everywhere, then the epochs from there
+torch.manual_seed(hvd.rank())           # each rank starts with weights of its own
+model3 = torch.nn.Linear(3, 1)
+opt4 = hvd.DistributedOptimizer(torch.optim.SGD(model3.parameters(), lr=0.1), model3.named_parameters())
+
+@hvd.elastic.run
+def train_elastic(state):
+    for state.epoch in range(state.epoch, 3):
+        opt4.zero_grad()
+        model3(torch.ones(2, 3) * (hvd.rank() + 1)).sum().backward()
+        opt4.step()
+        state.commit()
+    return state.epoch
+
+state = hvd.elastic.TorchState(model3, opt4, epoch=1 if hvd.rank() == 0 else 0)
+out["elastic_epoch"] = train_elastic(state)
+out["elastic_w"] = model3.weight.detach().reshape(-1).tolist()
 print(json.dumps(out), flush=True)
 hvd.shutdown()
 '''
@@ -124,4 +142,6 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
     for r in results:
         assert (r["async_sum"], r["push_pull"], r["push_pull_async"]) == ([3.0] * 3, [0.5], [3.0, 3.0]), r
         assert r["grouped"] == [[0.5, 0.5], [1.0, 1.0, 1.0]], r
+        assert r["elastic_epoch"] == 2, r            # rank 0's epoch 1, then epochs 1 and 2
+    assert results[0]["elastic_w"] == results[1]["elastic_w"]
     assert c.wait_daemons() == [0] * (1 + servers)

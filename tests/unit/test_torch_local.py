@@ -359,3 +359,28 @@ print(json.dumps({"size": hvd.size(), "rank": hvd.rank(), "type": kt.init().type
     assert (got["size"], got["rank"], got["type"]) == (1, 0, "local")
     assert got["losses"] == reference() and got["mean"] == [2.0, 4.0]
     assert "no scheduler address" in got["refused"]
+
+
+def test_elastic_state_commits_and_restores():
+    """hvd.elastic.TorchState: commit() keeps the model, the optimizer state and the values; restore()
+    goes back to them (Horovod's contract for a reset)."""
+    model = ns["make_model"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = kt.elastic.TorchState(model, opt, epoch=0, batch=0)
+    x, y = ns["batch"](0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    state.epoch, state.batch = 1, 7
+    state.commit()
+    kept = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    state.epoch = 2
+    state.restore()
+    assert (state.epoch, state.batch) == (1, 7)
+    assert all(torch.equal(p, k) for p, k in zip(model.parameters(), kept))
+    calls = []
+    state.register_reset_callbacks([lambda: calls.append(1)])
+    state.on_reset()
+    assert calls == [1]
