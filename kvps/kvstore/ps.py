@@ -117,9 +117,6 @@ class _What:
         more = f" and {len(infos) - 4} more" if len(infos) > 4 else ""
         return f"{self.op} of key{'s' if len(infos) > 1 else ''} {', '.join(keys)}{more}"
 
-    def __format__(self, spec):
-        return format(str(self), spec)
-
     __repr__ = __str__
 
 

@@ -9,7 +9,7 @@ optimizer descriptions sit below the rules in the layers, so they cannot import 
 """
 import numpy as np
 
-from kvps.arrays import as_numpy, is_torch
+from kvps.arrays import Out, as_numpy, is_torch
 from kvps.optimizer import Optimizer
 from kvps.ps.rules import Registry
 
@@ -28,17 +28,14 @@ class Updater:
         self._rule = Registry().create(optimizer.spec())
 
     def __call__(self, index, grad, weight):
-        w, g = as_numpy(weight, f"weight of index {index!r}"), as_numpy(grad, f"grad of index {index!r}")
+        out, g = Out(weight, f"weight of index {index!r}"), as_numpy(grad, f"grad of index {index!r}")
+        w = out.array
         if w.shape != g.shape:
             raise ValueError(f"index {index!r}: grad shape {g.shape} differs from weight shape {w.shape}")
+        if out.copy_back and not is_torch(weight):
+            np.copyto(w, weight)            # (Out gives a strided numpy array an empty buffer to fill)
         self._rule((index, 0), w, g)
-        if is_torch(weight):
-            if weight.device.type != "cpu" or w.ctypes.data != weight.data_ptr():
-                import torch
-                weight.copy_(torch.from_numpy(w) if w.dtype.kind == "f" else
-                             torch.from_numpy(w.view(np.int16)).view(torch.bfloat16))
-        elif not np.shares_memory(w, weight):
-            weight[...] = w
+        out.finish()                        # the weight is the buffer, or gets it back (CUDA, strided)
 
 
 def get_updater(optimizer):

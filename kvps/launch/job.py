@@ -180,11 +180,10 @@ class Job:
             if self.placement.announce:
                 self._say(f"scheduler ready at {self.scheduler_address}")
             for rank in range(self.num_servers):
-                self._spawn(f"S{rank}", [self.python, *SERVER_ARGV], {"KVPS_ROLE": "server", "KVPS_RANK": str(rank)})
+                self._spawn(f"S{rank}", *self._node_command(f"S{rank}"))
             for rank in range(self.num_workers):
                 try:
-                    self._spawn(f"W{rank}", self.command,
-                                dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)}, **self.worker_env.get(rank, {})))
+                    self._spawn(f"W{rank}", *self._node_command(f"W{rank}"))
                 except OSError as exc:
                     hint = (f" (a Python script runs with its Python: kvps launch ... -- python "
                             f"{shlex.join(self.command)})" if self.command[0].endswith(".py") else "")
@@ -194,6 +193,13 @@ class Job:
             self.stop()
             raise
         return self
+
+    def _node_command(self, node):
+        """(argv, the node's own variables) that start node `node` ("S1", "W0"), or a replacement of it."""
+        rank = int(node[1:])
+        if node[0] == "S":
+            return [self.python, *SERVER_ARGV], {"KVPS_ROLE": "server", "KVPS_RANK": str(rank)}
+        return self.command, dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)}, **self.worker_env.get(rank, {}))
 
     def _spawn(self, name, argv, node_env):
         """Start child `name` (a node's name, or a replacement's "S1#2") with the node's key."""
@@ -298,36 +304,27 @@ class Job:
                 f"(restart {decision.number} of {self.worker_restarts.budget}, --restart-workers)")
 
     def _replace_due(self):
-        """Start the replacements that are due, unless the scheduler is gone (the job is ending)."""
-        if self.worker_restarts:
-            for node, decision in self.worker_restarts.due(time.monotonic()):
+        """Start the replacements that are due (dead workers of an elastic job, --restart-workers; dead
+        servers of a replicated one), unless the scheduler is gone (the job is ending)."""
+        now = time.monotonic()
+        for restarts in (self.worker_restarts, self.restarts):
+            for node, decision in (restarts.due(now) if restarts else ()):
                 if not self.children.running(["H"]):
-                    self._say(f"not starting {node} again: the scheduler has exited")
+                    self._say(f"not replacing {node}: the scheduler has exited")
                     continue
-                child = self.worker_restarts.child(node)
-                rank = int(node[1:])
-                self._say(f"starting {node} again ({child}, restart {decision.number} of "
-                          f"{self.worker_restarts.budget}): it joins the job at its next rounds")
+                server = node.startswith("S")
+                child = restarts.child(node)
+                self._say(f"starting a replacement {node} ({child}, restart {decision.number} of {restarts.budget}): "
+                          + (f"it takes the rank of {node} and gets its state from the replicas" if server
+                             else "it joins the job at its next rounds"))
                 try:
-                    self._spawn(child, self.command, dict({"KVPS_ROLE": "worker", "KVPS_RANK": str(rank)},
-                                                          **self.worker_env.get(rank, {})))
+                    self._spawn(child, *self._node_command(node))
                 except OSError as exc:
-                    self._say(f"could not start {child}: {exc}; the job goes on without it")
-        if not self.restarts:
-            return
-        for node, decision in self.restarts.due(time.monotonic()):
-            if not self.children.running(["H"]):
-                self._say(f"not replacing {node}: the scheduler has exited")
-                continue
-            child = self.restarts.child(node)
-            self._say(f"starting a replacement {node} ({child}, restart {decision.number} of "
-                      f"{self.restarts.budget}): it takes the rank of {node} and gets its state from the replicas")
-            try:
-                self._spawn(child, [self.python, *SERVER_ARGV], {"KVPS_ROLE": "server", "KVPS_RANK": node[1:]})
-            except OSError as exc:
-                self._say(f"could not start {child}: {exc}; the job goes on at the replicas")
-                continue
-            self.replacements.append(child)
+                    self._say(f"could not start {child}: {exc}; the job goes on "
+                              + ("at the replicas" if server else "without it"))
+                    continue
+                if server:
+                    self.replacements.append(child)
 
     def _end_replacements(self):
         """The workers are done and the other daemons have had their time to end. A replacement that

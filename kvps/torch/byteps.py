@@ -7,12 +7,7 @@ shares (kvps/torch/horovod.py, session.py, optimizer.py, broadcast.py).
 BytePS averages by default (average=True); its `version` is accepted and not used; `priority`
 orders the sends as kvps's priority does (higher first).
 """
-from kvps.torch.horovod import Compression, _start
-
-
-def _no_compression(compression):
-    if compression not in (None, Compression.none):
-        raise ValueError("bps.push_pull(compression=...) is not supported: compress in DistributedOptimizer")
+from kvps.torch.horovod import _start, exact
 
 
 def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0):
@@ -33,7 +28,7 @@ def push_pull_async(tensor, average=True, name=None, version=0, priority=0):
 
 def push_pull(tensor, average=True, name=None, version=0, priority=0, compression=None):
     """The sum (or average) of `tensor` over every worker, as a new tensor (BytePS's bps.push_pull)."""
-    _no_compression(compression)
+    exact(compression, "bps.push_pull")
     return push_pull_inplace(tensor.detach().clone(), average, name, version, priority)
 
 

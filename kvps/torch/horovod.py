@@ -165,6 +165,12 @@ def _unless_refused(got, whose):
     return got
 
 
+def exact(compression, call):
+    """Collectives travel exact: compression belongs to DistributedOptimizer (ValueError otherwise)."""
+    if compression not in (None, Compression.none):
+        raise ValueError(f"{call}(compression=...) is not supported: compress in DistributedOptimizer")
+
+
 class Pending:
     """An allreduce on its way (Horovod's handle, from allreduce_async_): poll(handle) says whether
     it is done, synchronize(handle) waits and gives the tensor."""
@@ -173,6 +179,9 @@ class Pending:
         self.handle, self.tensor, self._value, self._work, self._mean, self._workers = \
             handle, tensor, value, work, mean, workers
         self._finished = False
+
+    def done(self):
+        return self.handle.done()
 
     def result(self):
         if not self._finished:
@@ -234,7 +243,7 @@ class Group:
         self.pending = pending
 
     def done(self):
-        return all(p.handle.done() for p in self.pending)
+        return all(p.done() for p in self.pending)
 
     def result(self):
         return [p.result() for p in self.pending]
@@ -265,14 +274,13 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None):
 def grouped_allreduce(tensors, average=None, name=None, op=None, compression=None):
     """The sums or averages of a list of tensors over every worker, as new tensors (Horovod's
     hvd.grouped_allreduce: one call for many tensors)."""
-    if compression not in (None, Compression.none):
-        raise ValueError("hvd.grouped_allreduce(compression=...) is not supported: compress in DistributedOptimizer")
+    exact(compression, "hvd.grouped_allreduce")
     return grouped_allreduce_async(tensors, average, name, op).result()
 
 
 def poll(handle):
     """Whether the allreduce (or group) of `handle` is done (synchronize then returns at once)."""
-    return handle.done() if isinstance(handle, Group) else handle.handle.done()
+    return handle.done()
 
 
 def synchronize(handle):
@@ -283,8 +291,7 @@ def synchronize(handle):
 
 def allreduce(tensor, average=None, name=None, op=None, compression=None):
     """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce)."""
-    if compression not in (None, Compression.none):
-        raise ValueError("hvd.allreduce(compression=...) is not supported: compress in DistributedOptimizer")
+    exact(compression, "hvd.allreduce")
     return allreduce_(tensor.detach().clone(), average, name, op)
 
 

@@ -151,7 +151,7 @@ def test_launch_elastic_goes_on_when_a_worker_is_killed(tmp_path, again):
         assert sorted(results) == ["W0", "W2"] and all(r["last"] == 4.0 and r["n"] == 2 for r in results.values()), \
             results
         return
-    assert "starting W1 again (W1#2, restart 1 of 1)" in proc.stdout, proc.stdout
+    assert "starting a replacement W1 (W1#2, restart 1 of 1)" in proc.stdout, proc.stdout
     # the replacement prints under its node's name, W1
     assert sorted(results) == ["W0", "W1", "W2"] and results["W1"]["late"], results
     assert all(r["last"] == 6.0 and r["n"] == 3 for r in results.values()), results

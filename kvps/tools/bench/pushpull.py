@@ -359,18 +359,12 @@ def cost_report(title, column, plain_rows, other_rows):
     return "\n".join(lines)
 
 
-def _pair_ratios(plain_ms, other_ms):
-    if not plain_ms or not other_ms:
-        return []
-    return [o / p for p, o in zip(plain_ms, other_ms) if p > 0]
-
-
 def paired_interval(plain_ms, other_ms):
     """The paired ratio, the median of other_ms[i] / plain_ms[i] over the runs both have (in run
     order), with its 95% bootstrap interval (kvps/tools/experiment/intervals.py: Interval(median,
     low, high, n)); or None."""
     from kvps.tools.experiment.intervals import interval
-    ratios = _pair_ratios(plain_ms, other_ms)
+    ratios = [o / p for p, o in zip(plain_ms or (), other_ms or ()) if p > 0]
     return interval(ratios) if ratios else None
 
 
