@@ -75,6 +75,8 @@ class Van:
         os.set_blocking(self._wake_w, False)
         self._woken = False
         self._timers = []               # [next_due, interval, fn]
+        self._once = []                 # heap of (due, n, fn) to run once (call_later; under _lock)
+        self._once_n = itertools.count()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._thread = None
@@ -169,6 +171,15 @@ class Van:
     def every(self, interval, fn):
         """Run fn() on the I/O thread every `interval` seconds."""
         self._timers.append([time.monotonic() + interval, interval, fn])
+
+    def call_later(self, delay, fn):
+        """Run fn() once on the I/O thread after `delay` seconds (from any thread; fn must not block)."""
+        with self._lock:
+            if self._closed:
+                return
+            heapq.heappush(self._once, (time.monotonic() + delay, next(self._once_n), fn))
+            if threading.current_thread() is not self._thread:
+                self._wake()
 
     def limit_messages(self, nbytes, peer_queue=0, peer_reply_bytes=0):
         """Refuse (in zmq, which drops the connection) any received frame over `nbytes`
@@ -391,8 +402,10 @@ class Van:
             self._close()
 
     def _run_timers(self):
+        if self._once:
+            self._run_once()
         if not self._timers:
-            return 1000
+            return self._once_timeout(1000)
         now = time.monotonic()
         for timer in self._timers:
             if now >= timer[0]:
@@ -401,7 +414,27 @@ class Van:
                     timer[2]()
                 except Exception:
                     log.exception("%s: timer %s failed", self.name, timer[2])
-        return max(0, int(1000 * (min(t[0] for t in self._timers) - time.monotonic())) + 1)
+        return self._once_timeout(max(0, int(1000 * (min(t[0] for t in self._timers) - time.monotonic())) + 1))
+
+    def _run_once(self):
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._once or self._once[0][0] > now:
+                    return
+                _, _, fn = heapq.heappop(self._once)
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: %s failed", self.name, fn)
+
+    def _once_timeout(self, timeout):
+        """The poll timeout (ms) that wakes the loop for the next call_later too."""
+        with self._lock:
+            if not self._once:
+                return timeout
+            due = self._once[0][0]
+        return min(timeout, max(0, int(1000 * (due - time.monotonic())) + 1))
 
     def _credit_release(self, nbytes, on_sent):
         """on_sent for a scheduled message: its bytes leave the window (any thread), then on_sent."""

@@ -302,3 +302,30 @@ def test_messages_sent_in_one_turn_go_in_one_bundle_and_are_handled_in_order():
     finally:
         van.stop()
         sink.stop()
+
+
+def test_call_later_runs_once_on_the_io_thread_in_order_and_not_before_it_is_due(escaped):
+    van = Van("later", lambda source, header, payloads: None)
+    van.start()
+    try:
+        ran, done = [], threading.Event()
+
+        def note(name):
+            ran.append((name, time.monotonic(), threading.current_thread().name))
+            if len(ran) == 3:
+                done.set()
+        asked = time.monotonic()
+        van.call_later(0.2, lambda: note("late"))
+        van.call_later(0.0, lambda: note("now"))
+        van.call_later(0.05, lambda: note("soon"))
+        assert done.wait(5), ran
+        assert [name for name, _, _ in ran] == ["now", "soon", "late"]
+        assert ran[2][1] - asked >= 0.2
+        assert ran[0][1] - asked < 0.5            # the I/O thread was woken, not left to its 1 s poll
+        assert {thread for _, _, thread in ran} == {"kvps-io-later"}
+        time.sleep(0.1)
+        assert len(ran) == 3                       # each once
+    finally:
+        van.stop()
+    van.call_later(0.0, lambda: None)              # after stop: dropped, no error
+    assert escaped == []
