@@ -64,6 +64,20 @@ class Order:
                 pass                    # its own call, wait_all() or close() raises it
         return lane
 
+    def ready(self, keys):
+        """Whether a call on `keys` may go on the I/O path now without waiting (route(keys, None)
+        would wait for nothing); never waits, so the I/O thread may ask."""
+        for key in keys:
+            last = self._last.get(key)
+            if last is None:
+                continue
+            handle, reads = last
+            if handle.done():
+                continue
+            if self.strict or reads or type(handle) is LaneHandle:
+                return False
+        return True
+
     def sent(self, keys, handle, reads=False):
         for key in keys:
             self._last[key] = (handle, reads)

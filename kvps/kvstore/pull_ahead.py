@@ -30,6 +30,7 @@ class Stash:
     def __init__(self, keys=(), release=None):
         self.handle = None
         self.replies = []
+        self._index = {}                     # id(header) -> {(key, part): (index, entry, frame)}
         self._keys = set(keys)
         self._release = release
         self._lock = threading.Lock()        # replies come on the I/O thread, keys leave on the caller's
@@ -40,6 +41,22 @@ class Stash:
             over = not self._keys
         if over and self._release is not None:
             self._release(header)
+
+    def picked(self, header, payloads, wanted):
+        """The (index, entry, frame) of a reply's entries for the (key, part)s `wanted`, found
+        through an index made once per reply (a batch's reply holds many keys, pulled one by one)."""
+        index = self._index.get(id(header))
+        if index is None:
+            index = self._index[id(header)] = {}
+            frames = iter(payloads)
+            for i, entry in enumerate(header.keys):
+                index[(entry.key, entry.part)] = (i, entry, next(frames) if entry.nbytes else None)
+        return [index[w] for w in wanted if w in index]
+
+    def add(self, keys):
+        """More keys whose replies this stash will keep (a batch of coalesced pushes growing)."""
+        with self._lock:
+            self._keys.update(keys)
 
     def left(self, keys):
         """These keys were pulled out of this stash (call after copying them) or dropped."""

@@ -31,13 +31,14 @@ def _nbytes(frames):
 
 class _Call:
     """One watched kvstore call: counts its replies down to the last (all on the I/O thread)."""
-    __slots__ = ("telemetry", "op", "items", "name", "priority", "start", "left", "tid")
+    __slots__ = ("telemetry", "op", "items", "name", "priority", "start", "starts", "left", "tid")
 
-    def __init__(self, telemetry, op, items, name, priority):
+    def __init__(self, telemetry, op, items, name, priority, starts=None):
         self.telemetry, self.op, self.name, self.priority = telemetry, op, name, priority
         self.items = items if telemetry.timeline is not None else None     # only the timeline reads them
         self.left = len(items)
-        self.start = time.time()
+        self.start = time.time() if starts is None else starts[0]
+        self.starts = starts            # the calls it stands for (coalesced pushes), else just this one
         self.tid = threading.current_thread().name if telemetry.timeline is not None else None
 
     def reply(self, on_reply, header, payloads):
@@ -142,7 +143,8 @@ class Telemetry:
     # ---- workers: a kvstore call's life ----
     def time_call(self, handle, op, start):
         """Time a kvstore call from `start` to the completion of its handle (metrics without a
-        timeline: one callback a call, where watch_call wraps every reply)."""
+        timeline: one callback a call, where watch_call wraps every reply); a list of starts: the
+        calls one handle stands for (pushes that went as one request), each timed."""
         handle.when_done(functools.partial(self._timed, self._label(op), start))
 
     def call_done(self, op, start, keys):
@@ -159,13 +161,16 @@ class Telemetry:
 
     def _timed(self, label, start, error):
         if error is None:                   # as watch_call: a call that failed is not timed
-            self._calls.observe((label,), time.time() - start)
+            end = time.time()
+            for s in start if type(start) is list else (start,):
+                self._calls.observe((label,), end - s)
 
-    def watch_call(self, op, items, name, priority=0):
+    def watch_call(self, op, items, name, priority=0, starts=None):
         """The request items [(peer, header, payloads, on_reply)] of one call, with on_reply wrapped
         to time the call from now to its last reply (on the I/O thread; an ERROR reply is not timed).
-        `name`: this worker's node name, which ties its requests to the servers' events."""
-        call = _Call(self, op, items, name, priority)
+        `name`: this worker's node name, which ties its requests to the servers' events. `starts`:
+        the calls the requests stand for (coalesced pushes), timed each from its own start."""
+        call = _Call(self, op, items, name, priority, starts)
         return [(peer, header, payloads, functools.partial(call.reply, on_reply))
                 for peer, header, payloads, on_reply in items]
 
@@ -179,7 +184,8 @@ class Telemetry:
         end = time.time()
         label = self._label(call.op)
         if self.metrics is not None:
-            self._calls.observe((label,), end - call.start)
+            for start in call.starts or (call.start,):
+                self._calls.observe((label,), end - start)
         tl = self.timeline
         if tl is not None:
             items = call.items

@@ -52,6 +52,14 @@ class Handle:
         handle._complete()
         return handle
 
+    @classmethod
+    def failed(cls, what, error):
+        """A handle whose call failed before it sent anything."""
+        handle = cls(what, 0)
+        handle._error = error
+        handle._complete()
+        return handle
+
     def done(self):
         return self._finished
 
