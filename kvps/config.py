@@ -52,6 +52,9 @@ VARIABLES = (
                                          "answered on the calling thread's own connections, without the hand-offs "
                                          "to the I/O thread (kvps/wire/lane.py); 0: every call goes through the "
                                          "I/O thread"),
+    Var("KVPS_COALESCE_US", 1000, int, "small blocking pushes called one after another wait up to this many "
+                                       "microseconds to go as one request, sent by any other call "
+                                       "(kvps/kvstore/coalesce.py); 0: every push goes at once"),
     Var("KVPS_SHM", 1, int, "1: a worker and a server on one host move big payloads through shared memory, "
                             "and ZeroMQ carries only headers (kvps/wire/shm.py), small calls go on the server's "
                             "Unix socket (kvps/wire/local.py), and ring neighbours on one host share memory "
@@ -172,6 +175,7 @@ class Config:
     message_bytes: int = _default("message_bytes")
     send_credit: int = _default("send_credit")
     lane_bytes: int = _default("lane_bytes")
+    coalesce_us: int = _default("coalesce_us")
     max_message_bytes: int = _default("max_message_bytes")
     peer_queue: int = _default("peer_queue")
     server_threads: int = _default("server_threads")
@@ -233,6 +237,8 @@ class Config:
         if self.peer_queue < 0 or self.peer_reply_bytes < 0:
             raise ConfigError(f"KVPS_PEER_QUEUE={self.peer_queue} and KVPS_PEER_REPLY_BYTES="
                               f"{self.peer_reply_bytes} must not be negative (0: no bound)")
+        if self.coalesce_us < 0:
+            raise ConfigError(f"KVPS_COALESCE_US={self.coalesce_us} must not be negative (0: no coalescing)")
         if self.shm not in (0, 1):
             raise ConfigError(f"KVPS_SHM={self.shm} must be 0 or 1")
         if self.ring_link not in (0, 1):

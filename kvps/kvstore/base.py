@@ -208,14 +208,14 @@ class KVStore(abc.ABC):
                     f"use it for every call (its pushpull sums over workers like an all-reduce), or "
                     f"close() the first one before creating {self.type!r}")
 
-    def _join_job(self, node, leave):
+    def _join_job(self, node, leave, send=None):
         """Register this kvstore as the process's member of the job (its node has started).
         `leave()` runs once: on close(), when the kvstore is collected, or at interpreter exit
-        (after the pending calls finish). Neither `node` nor `leave` may refer to the kvstore,
-        or it could never be collected."""
+        (after `send()`, which sends what waits to be sent, and after the pending calls finish).
+        Neither `node` nor `leave` may refer to the kvstore, or it could never be collected."""
         _LIVE.add(self)
         self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
-                                           lambda: node.failure is None, leave, self.type)
+                                           lambda: node.failure is None, leave, self.type, send)
         _watch_exit()
 
     # ---- checkpoints (docs/checkpoint.md): the parameter-server kvstores hold state to save ----
@@ -442,10 +442,15 @@ def exit_reason():
                                           MAX_REASON)
 
 
-def _farewell(returned, pending, healthy, leave, kind):
+def _farewell(returned, pending, healthy, leave, kind, send=None):
     """A kvstore's last act (weakref.finalize): finish its calls, report any error, leave the job."""
     try:
         if healthy():
+            if send is not None:
+                try:
+                    send()
+                except Exception as exc:
+                    log.error("%s kvstore: sending its last pushes failed: %s", kind, exc)
             for queue in (returned, pending):
                 while queue:
                     handle = queue.popleft()

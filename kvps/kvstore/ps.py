@@ -25,6 +25,7 @@ from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, d
 from kvps.wire.requests import Handle, remember
 from kvps.kvstore.base import KeyInfo, KVStore
 from kvps.kvstore.checkpointer import Checkpointer
+from kvps.kvstore.coalesce import Batch, Coalescer
 from kvps.kvstore.order import Order
 from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.lane import Lanes
@@ -120,6 +121,21 @@ class _What:
     __repr__ = __str__
 
 
+def _after_pushes(method):
+    """A kvstore call other than push: the open batch of coalesced pushes goes first
+    (kvps/kvstore/coalesce.py)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        coalesce = self._coalesce
+        if coalesce is not None:
+            with coalesce.lock:
+                coalesce.follows_push = False
+                if coalesce.batch is not None:
+                    self._send_batch(False)
+        return method(self, *args, **kwargs)
+    return call
+
+
 class DistKVStore(KVStore):
     """`consistency`: a kvps.ps.consistency.Consistency, or its wire string ("sync", "ssp:4", ...);
     kvps.create() builds it from the type name and options."""
@@ -135,7 +151,14 @@ class DistKVStore(KVStore):
         # Workers register the canonical string: the scheduler refuses a job whose workers differ.
         self._node = Worker(self.cfg, meta={"mode": consistency.wire()})
         self._node.start()
-        self._join_job(self._node, self._node.leave)
+        # small calls go on the calling thread's own connections (kvps/wire/lane.py), except where a
+        # request may have to be sent again after a timeout (resends, faults)
+        lanes = bool(self.cfg.lane_bytes and not self._node.requests.resend_after and self._node.faults is None)
+        # and small pushes called one after another go as one request (kvps/kvstore/coalesce.py)
+        self._coalesce = None
+        if lanes and self.cfg.coalesce_us:
+            self._coalesce = Coalescer(self.cfg.coalesce_us / 1e6, self.cfg.lane_bytes, self._node.van.call_later)
+        self._join_job(self._node, self._node.leave, self._coalesce and self._coalesce.send_open)
         self._num_servers = len(self._node.membership["servers"])
         self._optimizer_generation = 0
         self._codec = None               # gradient compression spec, or None
@@ -151,10 +174,8 @@ class DistKVStore(KVStore):
         self._node.requests.rehome = functools.partial(_rehome_weakly, weakref.ref(self))
         # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
         self._order = Order(strict=bool(self._node.requests.resend_after))
-        # small calls go on the calling thread's own connections (kvps/wire/lane.py), except where a
-        # request may have to be sent again after a timeout (resends, faults)
         self._lanes = None
-        if self.cfg.lane_bytes and not self._node.requests.resend_after and self._node.faults is None:
+        if lanes:
             # (the node outlives this kvstore: what it holds, such as the lanes, must not hold the kvstore)
             self._lanes = Lanes(self._node, functools.partial(_server_address, self._node),
                                 functools.partial(_server_local, self._node))
@@ -179,16 +200,18 @@ class DistKVStore(KVStore):
 
     # ---- plumbing ----
     def _send(self, op, what, messages, on_reply=None, keep=(), async_op=False, then=(), priority=0, lane=_AUTO,
-              call=None):
+              call=None, starts=None):
         """Send the requests of a Messages batch under one Handle; returns it. Higher priorities
         leave first among the requests waiting for the network (kvps/wire/schedule.py). `lane`: the
         way chosen by the caller (_route), else chosen here. `call`: the kvstore call the metrics
-        and the timeline name it by, where it is not `op` (a push that travels as a PUSHPULL)."""
+        and the timeline name it by, where it is not `op` (a push that travels as a PUSHPULL).
+        `starts`: the calls a batch of coalesced pushes stands for (their start times), which are
+        timed apart; its pushes were checked, and earlier errors are left to the next call."""
         if self._closed:
             raise KVPSError(f"{what}: this kvstore is closed")
-        if type(priority) is not int and (not isinstance(priority, numbers.Integral) or isinstance(priority, bool)):
-            raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
-        self._check_returned()
+        if starts is None:
+            _check_priority(priority, what)
+            self._check_returned()
         if self.cfg.replicas:       # to the head of each range's chain, which it names (kvps/wire/chains.py)
             items = []
             for server, entries, payloads, meta in messages:
@@ -214,9 +237,9 @@ class DistKVStore(KVStore):
         telemetry, start = self._node.telemetry, None
         if telemetry is not None and items:                 # the call's latency and timeline events
             if telemetry.timeline is not None:
-                items = telemetry.watch_call(call or op, items, self._node.name, int(priority))
+                items = telemetry.watch_call(call or op, items, self._node.name, int(priority), starts)
             else:
-                start = time.time()
+                start = time.time() if starts is None else starts
         if lane is not None:
             handle = lane.request_many(items, what, self.cfg.timeout, keep=keep)
         else:
@@ -250,11 +273,15 @@ class DistKVStore(KVStore):
     def _what(op, infos):
         return _What(op, infos)
 
-    def _with_values(self, items, codec=None, shared=None, replies=False):
-        """Messages carrying each array's parts; with a codec, float32 parts go compressed. The keys
-        in `shared` ({key: push regions}, see _shareable) are copied into those regions instead;
-        `replies`: ask for each part's value in its reply region where one is free (PUSHPULL)."""
-        messages = Messages(self._message_bytes, {"codec": codec} if codec else {})
+    def _with_values(self, items, codec=None, shared=None, replies=False, messages=None):
+        """Messages carrying each array's parts (added to `messages` if given); with a codec, float32
+        parts go compressed. The keys in `shared` ({key: push regions}, see _shareable) are copied
+        into those regions instead; `replies`: ask for each part's value in its reply region where
+        one is free (PUSHPULL)."""
+        if messages is None:
+            messages = Messages(self._message_bytes)
+        if codec:
+            messages.meta["codec"] = codec
         for info, array in items:
             flat = array.reshape(-1)
             code = dtype_code(info.dtype)
@@ -420,20 +447,20 @@ class DistKVStore(KVStore):
                 for o in outs:
                     dests[(info.key, part.index)].append((info, o.array.reshape(-1)[part.start:part.stop]))
 
-        def fill(header, payloads):
+        def fill(header, payloads, picked=None):
+            """`picked`: just these (index, entry, frame) of the reply (a pull served from a reply
+            with many other keys, Stash.picked), else all of it."""
             placed, reader = self._placed(header)
             try:
-                copy(header, payloads, placed, reader)
+                copy(header, _entries(header, payloads) if picked is None else picked, placed, reader)
             finally:
                 if release:                     # the server may change those values now
                     _unread(self._readers, header)
 
-        def copy(header, payloads, placed, reader):
-            frames = iter(payloads)
+        def copy(header, entries, placed, reader):
             shared = header.meta.get("shm", ())
             codec, delta = header.meta.get("codec"), header.meta.get("delta", False)   # compressed pull
-            for index, entry in enumerate(header.keys):
-                frame = next(frames) if entry.nbytes else None
+            for index, entry, frame in entries:
                 if codec is not None and self._squeezed(entry, frame, dests, codec, delta):
                     continue
                 for info, dest in dests.get((entry.key, entry.part), ()):
@@ -502,6 +529,7 @@ class DistKVStore(KVStore):
         return region
 
     # ---- the API ----
+    @_after_pushes
     def init(self, key, value):
         items = self._inits(key, value)
         infos = [KeyInfo(i.key, i.dtype, i.shape, self._layout(i.key, i.shape, i.dtype)) for i, _ in items]
@@ -518,30 +546,54 @@ class DistKVStore(KVStore):
             self.pull(key, out=value)
 
     def push(self, key, value, priority=0, async_op=False, row_ids=None):
-        """Returns once the values are copied (blocking form) and the round goes on in the background:
-        a later pull of the same key sees it, and its error is raised by the next call."""
+        """Returns once the values are copied (blocking form: None) and the round goes on in the
+        background: a later pull of the same key sees it, and its error is raised by the next call.
+        A small push that follows a push may wait to go with the next ones (kvps/kvstore/coalesce.py)."""
+        coalesce = self._coalesce
+        if coalesce is None:
+            return self._push(key, value, priority, async_op, row_ids)
+        with coalesce.lock:
+            try:
+                return self._push(key, value, priority, async_op, row_ids)
+            finally:
+                coalesce.follows_push = True
+
+    def _push(self, key, value, priority, async_op, row_ids):
         if row_ids is not None:
+            self._send_open()
             return self._push_rows(key, value, row_ids, async_op, priority)
+        start = time.time()
         items = self._values(key, value, "push")
         self._straggle(items)
         keys = [info.key for info, _ in items]
         if self._checkpoints.every:
             self._checkpoints.before_push(keys, self.wait_all)
         what = self._what("push", items)
-        shared = self._shareable(items, self._codec)
         if async_op:
+            self._send_open()
             self._forget(keys)
-            messages = self._with_values(items, self._codec, shared)
+            messages = self._with_values(items, self._codec, self._shareable(items, self._codec))
             return self._send(Op.PUSH, what, messages, keep=(items, messages), async_op=True, priority=priority)
+        wants = self._ahead is not None and self._ahead.wants(keys)
+        op = Op.PUSHPULL if wants else Op.PUSH
+        nbytes = sum(a.nbytes for _, a in items)
+        coalesce = self._coalesce
+        if coalesce is not None:
+            if not coalesce.fits(op, keys, nbytes):
+                self._send_open()
+            if coalesce.follows_push and nbytes <= coalesce.limit:
+                _check_priority(priority, what)
+                self._defer(op, items, keys, priority, start)
+                return None
         stash = None
-        if self._ahead is not None and self._ahead.wants(keys):
+        if wants:
             # (a handle may outlive this kvstore: what its reply callback holds must not hold the kvstore)
             stash = Stash(keys, functools.partial(_unread, self._readers))
-        op = Op.PUSH if stash is None else Op.PUSHPULL
+        shared = self._shareable(items, self._codec)
         # The caller may change its arrays once push returns: their values go into shared memory, or
         # on a lane, which sends (copies) them before push returns, or into private copies that zmq
         # sends from.
-        lane = self._route(op, keys, sum(a.nbytes for _, a in items), None)
+        lane = self._route(op, keys, nbytes, None)
         if lane is None:
             items = [(info, array if info.key in shared else self._private(info, array)) for info, array in items]
         messages = self._with_values(items, self._codec, shared, replies=stash is not None)
@@ -556,7 +608,69 @@ class DistKVStore(KVStore):
                 if info.key not in shared:      # a private copy, reusable once this push is over
                     self._copies[info.key] = (array, handle)
         self._returned_early(handle)
-        return handle
+        return None
+
+    def _defer(self, op, items, keys, priority, start):
+        """Add a small push to the open batch (opened here if none is), its values copied now."""
+        coalesce = self._coalesce
+        batch = coalesce.batch
+        if batch is None:
+            stash = Stash((), functools.partial(_unread, self._readers)) if op == Op.PUSHPULL else None
+            batch = Batch(op, Messages(self._message_bytes), stash)
+            coalesce.open(batch, self._send_batch)
+        shared = self._shareable(items, self._codec)
+        copies = []
+        for info, array in items:
+            if info.key in shared:
+                copies.append((info, array))
+            else:
+                array = self._private(info, array)
+                copies.append((info, array))
+                batch.private.append((info.key, array))
+        self._with_values(copies, self._codec, shared, replies=batch.stash is not None, messages=batch.messages)
+        batch.add(copies, priority, start)
+        if batch.stash is not None:
+            batch.stash.add(keys)
+        if self._ahead is not None:
+            self._ahead.pushed(keys, batch.stash)
+        if batch.nbytes >= coalesce.limit:
+            self._send_open()
+
+    def _send_open(self):
+        """Send the open batch of pushes, if any (before a call that is not a push joining it)."""
+        if self._coalesce is not None and self._coalesce.batch is not None:
+            self._send_batch(False)
+
+    def _send_batch(self, late):
+        """Send the open batch of pushes as one call; returns whether it went. `late`: on the I/O
+        thread (Coalescer.check), through the I/O path, and only if no earlier request naming its
+        keys must be answered first (kvps/kvstore/order.py); else on this thread's lane. A failure
+        fails the batch's handle, which the next call raises (and a pull of its keys)."""
+        coalesce = self._coalesce
+        batch = coalesce.batch
+        if batch is None:
+            return True
+        if late and not self._order.ready(batch.keys):
+            return False
+        coalesce.take()
+        what = self._what("push", batch.items)
+        stash = batch.stash
+        try:
+            handle = self._send(batch.op, what, batch.messages, on_reply=None if stash is None else stash.keep,
+                                keep=(batch.items, batch.messages), async_op=None, priority=batch.priority,
+                                lane=None if late else _AUTO, call=Op.PUSH, starts=batch.starts)
+        except Exception as exc:
+            handle = Handle.failed(what, exc)
+            if not late:
+                if stash is not None:
+                    stash.handle = handle
+                raise
+        if stash is not None:
+            stash.handle = handle
+        self._returned_early(handle)
+        for key, array in batch.private:         # private copies, reusable once the batch is over
+            self._copies[key] = (array, handle)
+        return True
 
     def _push_rows(self, key, value, row_ids, async_op, priority):
         """A row-sparse push: per part of each key, its local row ids and those rows (the ids and
@@ -601,6 +715,7 @@ class DistKVStore(KVStore):
         if self._ahead is not None:
             self._ahead.drop(keys)
 
+    @_after_pushes
     def pull(self, key, out=None, priority=0, ignore_sparse=True, async_op=False):
         items = self._outs(key, out, "pull")
         infos = [i for i, _ in items]
@@ -621,15 +736,17 @@ class DistKVStore(KVStore):
         self._check_returned()
         fill = self._filler(items, release=False)      # a reply's other keys may be pulled later
         keys = [i.key for i, _ in items]
+        wanted = [(info.key, part.index) for info, _ in items for part in info.parts]
         for stash in stashes:
             stash.handle.wait()
             for header, payloads in stash.replies:
-                fill(header, payloads)
+                fill(header, payloads, stash.picked(header, payloads, wanted))
             stash.left(keys)
         for finish in _finishers(items):
             finish()
         return Handle.completed(self._what("pull", items))
 
+    @_after_pushes
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
         values = self._values(key, value, "pushpull")
         if self._checkpoints.every:
@@ -642,6 +759,7 @@ class DistKVStore(KVStore):
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
                           then=_finishers(outs), priority=priority)
 
+    @_after_pushes
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):
         items = self._per_out(self._outs(key, out, "row_sparse_pull"), row_ids)
         self._forget([info.key for info, _ in items])
@@ -692,6 +810,7 @@ class DistKVStore(KVStore):
                           on_reply=fill, keep=(items, messages), async_op=async_op, then=_finishers(items),
                           priority=priority)
 
+    @_after_pushes
     def set_optimizer(self, optimizer):
         spec = optimizer.spec()
         self._checkpoints.optimizer = spec
@@ -702,6 +821,7 @@ class DistKVStore(KVStore):
             f"set_optimizer({spec['name']})")
         handle.wait()
 
+    @_after_pushes
     def set_gradient_compression(self, compression_params):
         """Compress float32 pushes from now on (MXNet's dict form, e.g. {"type": "2bit", "threshold": 0.5});
         see kvps.ps.compression for the types. {"type": "none"} turns it off."""
@@ -718,6 +838,7 @@ class DistKVStore(KVStore):
             self._ahead.reset()              # releases what its replies hold in server memory
         self._ahead = PullAhead() if pull is None and self.consistency.wire() == "sync" else None
 
+    @_after_pushes
     def barrier(self):
         """Wait until every worker reaches the barrier. In async and ssp modes a push is applied on
         arrival, so the pushes of this worker that returned early are waited for first: after the
@@ -727,6 +848,7 @@ class DistKVStore(KVStore):
             self._wait_returned()
         self._node.barrier("workers")
 
+    @_after_pushes
     def join(self):
         """This worker has no more data (Horovod's join): from now on it counts as pushing zeros into
         every sync round, so the others finish theirs; waits until every worker has joined and
@@ -739,6 +861,7 @@ class DistKVStore(KVStore):
                                 f"W{self.rank} joining").wait()
         return int(self._node.barrier("workers")[1:])
 
+    @_after_pushes
     def server_stats(self):
         """Each server's counters (pushes, pulls, rounds, kernel calls, ...), by server name.
         Consistency fields: "mode" (wire string), "dropped" (stale pushes dropped, backup workers),
@@ -756,6 +879,7 @@ class DistKVStore(KVStore):
         return self._node.failure is None
 
     # ---- checkpoints (kvps/kvstore/checkpointer.py; docs/checkpoint.md) ----
+    @_after_pushes
     def save(self, path, dump_optimizer=False):
         """Collective: write every key's value, the servers' optimizer state and the round/clock
         counters to the directory `path` (on a file system every node shares), then a manifest.
@@ -776,6 +900,7 @@ class DistKVStore(KVStore):
         if error is not None:
             raise error
 
+    @_after_pushes
     def load(self, path, optimizer_states=True):
         """Collective: restore every initialised key from checkpoint `path`, which any number of
         servers may have saved (each server reads the rows it now holds), with the optimizer
@@ -798,6 +923,7 @@ class DistKVStore(KVStore):
         if error is not None:
             raise error
 
+    @_after_pushes
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """MXNet's call, in dist mode too (MXNet refuses there, its issue #15923): one worker saves
         the servers' optimizer state, with the values and counters, as a checkpoint directory
@@ -809,6 +935,7 @@ class DistKVStore(KVStore):
         self._checkpoints.wait()
         self._checkpoints.start_save(fname, None, dump_optimizer)()
 
+    @_after_pushes
     def load_optimizer_states(self, fname):
         """MXNet's call: restore the servers' optimizer state (moments, step counts) from `fname`,
         leaving the values. Any worker may call it, and all may (loading the same state twice
@@ -832,6 +959,9 @@ class DistKVStore(KVStore):
             self._checkpoints.load(self.cfg.resume, infos, "all")
         self._node.barrier("workers")
 
+    wait_all = _after_pushes(KVStore.wait_all)
+
+    @_after_pushes
     def close(self):
         """Wait for a periodic checkpoint still being written, then leave (KVStore.close)."""
         if not self._closed and self._healthy():
@@ -896,6 +1026,17 @@ def _server_local(node, peer):
         return None
     _, port, pid = node.membership["servers"][server]
     return port, pid
+
+
+def _entries(header, payloads):
+    """(index, entry, its payload frame or None) of each entry of a message."""
+    frames = iter(payloads)
+    return [(index, entry, next(frames) if entry.nbytes else None) for index, entry in enumerate(header.keys)]
+
+
+def _check_priority(priority, what):
+    if type(priority) is not int and (not isinstance(priority, numbers.Integral) or isinstance(priority, bool)):
+        raise TypeError(f"{what}: priority must be an int (higher goes first), not {priority!r}")
 
 
 def _finishers(items):
