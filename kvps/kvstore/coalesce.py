@@ -16,11 +16,12 @@ batch. The batch goes as one request per server, on the caller's lane, when
   I/O path (once every request its keys wait on is answered, which keeps each key's calls in order).
 
 What a push means does not change: a later pull of the key sees it, an error is raised by the next
-call, and a sync round closes once every worker's push is in; the round only starts at most
-KVPS_COALESCE_US later. The first push after any other call goes at once (so a script that pulls
-each key right after pushing it sends as before), and so does every push when KVPS_COALESCE_US is 0.
+call, and a sync round closes once every worker's push is in; a push just leaves later: while the
+script goes on pushing, and at most about KVPS_COALESCE_US after it stops calling. The first push after any other call goes at once (so a script that pulls
+each key right after pushing it sends as before), and so does every push when KVPS_COALESCE_US
+is 0, or where lanes are off (KVPS_LANE_BYTES=0, resends, injected faults).
 
-    coalesce = Coalescer(delay_s, limit_bytes, arm)   # arm(seconds): schedule the I/O thread's check
+    coalesce = Coalescer(delay_s, limit_bytes, later)  # later(s, fn): fn on the I/O thread (Van.call_later)
     with coalesce.lock:                               # a push:
         if not coalesce.fits(op, keys, nbytes): send(coalesce.take())
         if coalesce.follows_push: add it to coalesce.batch (coalesce.open(Batch(...), send) first)
