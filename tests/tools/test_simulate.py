@@ -104,6 +104,30 @@ def test_per_call_cost_with_free_links_is_calls_times_the_cost(W, S):
     assert keyed == pytest.approx(2 * len(grads) * (1e-3 + 1e-4 * crowd) * W / min(W, 2))
 
 
+def test_coalesced_pushes_pay_one_message_per_server_and_batch():
+    """kvps/kvstore/coalesce.py in the model: with only a message's cost, push+pull of N small keys
+    costs N messages each way one by one, and coalesced 1 (the first push) + one per server per
+    batch of at most lane_bytes; keys bigger than lane_bytes go alone either way."""
+    o = 1e-3
+    costs = costs_mod.zero().replace(transports={"loopback": {"per_message_s": o, "per_byte_s": 0.0}})
+    small = [1000.0] * 20
+    alone = predict(Setup("ps", 1, 1, mode="push+pull", coalesce_s=0.0), small, costs)["step_s"]
+    merged = predict(Setup("ps", 1, 1, mode="push+pull"), small, costs)["step_s"]
+    # one worker, one server: a message costs o at each of its four ends, pipelined; the worker's
+    # CPU, the busiest, sends each push and takes each reply, and the last reply's two server ends
+    # come after its last send: (2 messages + 2) * o
+    assert alone == pytest.approx((2 * 20 + 2) * o), alone
+    assert merged == pytest.approx((2 * 2 + 2) * o), merged
+    # a batch holds at most lane_bytes: the 19 keys after the first in batches of 5 are 4 batches
+    batched = predict(Setup("ps", 1, 1, mode="push+pull", lane_bytes=5000), small, costs)["step_s"]
+    assert batched == pytest.approx((2 * 5 + 2) * o), batched
+    big = [1e6] * 20                                 # over lane_bytes: no change
+    assert predict(Setup("ps", 1, 1, mode="push+pull"), big, costs)["step_s"] == \
+        pytest.approx(predict(Setup("ps", 1, 1, mode="push+pull", coalesce_s=0.0), big, costs)["step_s"])
+    with pytest.raises(ConfigError, match="coalesce_s"):
+        predict(Setup("ps", 1, 1, coalesce_s=-1.0), small, costs)
+
+
 def test_call_costs_fitted_from_loops_of_small_keys():
     call, o, crowd, round_s, n = 65e-6, 30e-6, 20e-6, 0.5e-3, calibrate.CALL_KEYS
     loop = calibrate._loop_s

@@ -21,7 +21,7 @@
 4. per_call_s, the worker's cost of a call beyond its messages, per key the call names: the
    loopback job times two steps of CALL_KEYS tiny keys (CALL_BYTES each), one pushpull naming
    them all (one call, one message) and push+pull (a call of one key each way per key, a
-   message per key). A round of step 2 is a call of one key and four message ends, so
+   message per key, with KVPS_COALESCE_US=0). A round of step 2 is a call of one key and four message ends, so
    per_call_s = (pushpull step - round) / (CALL_KEYS - 1). The round's remainder is a latency
    (wake-ups and hand-offs), not what a message costs the CPUs when messages overlap, so
    per_message_s is the value for which the model (step.py, with that per_call_s and this
@@ -107,7 +107,8 @@ def _loop_s(workers, servers, per_call_s, per_message_s, sum_bps, cores, keys=CA
     from kvps.tools.simulate.step import Setup, predict
     costs = Costs(transports={"loopback": {"per_message_s": per_message_s, "per_byte_s": 0.0}},
                   sum_bytes_per_s=sum_bps, copy_bytes_per_s=float("inf"), per_call_s=per_call_s, host_cores=cores)
-    return predict(Setup("ps", workers, servers, mode="push+pull"), [key_bytes] * keys, costs)["step_s"]
+    return predict(Setup("ps", workers, servers, mode="push+pull", coalesce_s=0.0), [key_bytes] * keys,
+                   costs)["step_s"]
 
 
 def fit_calls(round_s, steps, sum_bps, cores, busy=None, crowd=CROWDED, keys=CALL_KEYS, key_bytes=CALL_BYTES):
@@ -158,8 +159,9 @@ def call_steps(quick, workers=1, servers=1, keys=CALL_KEYS, key_bytes=CALL_BYTES
         path = os.path.join(tmp, "plan.json")
         with open(path, "w") as f:
             json.dump(plan, f)
-        text = kvps_job(workers, servers, [sys.executable, "-m", "kvps.tools.bench.kvps_worker", path], {},
-                        timeout, False, "calibration (calls)")
+        # a message per key each way: pushes not coalesced (the loop measures what a message costs)
+        text = kvps_job(workers, servers, [sys.executable, "-m", "kvps.tools.bench.kvps_worker", path],
+                        {"KVPS_COALESCE_US": "0"}, timeout, False, "calibration (calls)")
     return {r["mode"]: r["ms"] / 1e3 for r in results(text) if r.get("workload") == "resnet50"}
 
 

@@ -18,8 +18,9 @@ it: messages carry one key's pieces; kvps's pull-ahead sends each push as a PUSH
 takes the reply its push brought and adds no message). o and c come from the transport
 (costs.py). Every kvstore call also costs the worker per_call_s for each key it names, on its
 calling thread, one call after another: one call naming every key per step with pushpull, a
-call of one key each way per key with push+pull (a push's messages leave when its call returns;
-a pull returns per_call_s after the previous pull and its key's replies).
+call of one key each way per key with push+pull (a push's messages leave when its call returns, or
+small pushes together, as kvps coalesces them: _per_key_calls; a pull returns per_call_s after the
+previous pull and its key's replies).
 Gradients are cut as kvps cuts them: a tensor of at least split_bytes (or one bigger than
 partition_bytes) into whole rounds of the S servers, pieces of at most partition_bytes, smaller
 tensors to the servers in turn; each worker merges the pieces for one server that are ready
@@ -81,6 +82,8 @@ class Setup:
     warmup: int = 1               # with burst_bytes: untimed steps before the timed ones, back to back
     timed: int = 1                # ... and timed steps, whose median is the step (as the benchmarks time)
     key0: int = None              # tensor i is key key0 + i, placed by its hash as kvps does (None: in turn)
+    coalesce_s: float = 0.001     # push+pull: small pushes after the first wait to go as one (KVPS_COALESCE_US; 0: off)
+    lane_bytes: int = 256 << 10   # ... pushes of at most this many bytes, and that many in all (KVPS_LANE_BYTES)
 
     def check(self):
         """Raises ConfigError naming a value that describes no job."""
@@ -96,6 +99,8 @@ class Setup:
         for name in ("partition_bytes", "message_bytes", "split_bytes", "fusion_bytes", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be at least 1")
+        if self.coalesce_s < 0:
+            raise ConfigError(f"coalesce_s={self.coalesce_s!r} must not be negative (0: no coalescing)")
         if self.warmup < 0 or self.timed < 1:
             raise ConfigError(f"warmup={self.warmup!r} and timed={self.timed!r} steps: need warmup >= 0, timed >= 1")
         if not 0 < self.compression <= 1:
@@ -265,7 +270,10 @@ def _per_key_calls(sim, setup, msgs, n, ready, calls, push, finished, t0):
     gradient is ready (earliest first), its messages leaving when the call returns; then a pull
     call per key in key order, each once the previous pull is done and its key's replies are in.
     Pull-ahead (kvps/kvstore/pull_ahead.py) sends each push as a PUSHPULL whose replies the pull
-    takes, so the wire carries per-key pushpull messages: no acknowledgement, no pull request."""
+    takes, so the wire carries per-key pushpull messages: no acknowledgement, no pull request.
+    Coalescing (kvps/kvstore/coalesce.py, coalesce_s > 0): a push of at most lane_bytes after the
+    first waits in a batch, one message per server, that leaves when a push would take it past
+    lane_bytes, when the pulls begin, or at the first gap between calls once it is coalesce_s old."""
     key = (lambda prio: prio) if setup.priority else (lambda prio: -prio)
     by_key = [[] for _ in range(n)]
     for m in msgs:
@@ -273,6 +281,7 @@ def _per_key_calls(sim, setup, msgs, n, ready, calls, push, finished, t0):
     left = [len(ms) for ms in by_key]
     replied = [None] * n
     pulls = {"next": 0, "free": None, "busy": False}      # free: when the pulls may go on (after the pushes)
+    batch = {"opened": None, "bytes": 0.0, "parts": {}}    # parts: server -> [prio, bytes, [key indexes]]
 
     def arrived(i, t):
         left[i] -= 1
@@ -292,20 +301,48 @@ def _per_key_calls(sim, setup, msgs, n, ready, calls, push, finished, t0):
             pull()
         sim.chain(calls, done, start=max(pulls["free"], replied[j]), priority=j if setup.priority else 0)
 
+    def send_batch(t):
+        for s, (prio, b, keys) in batch["parts"].items():
+            push((prio, t, s, b), t, lambda t3, keys=keys: [arrived(i, t3) for i in keys])
+        batch.update(opened=None, bytes=0.0, parts={})
+
+    def wait(i, t):
+        """Key i's pieces join the batch (opened at t if none is)."""
+        if batch["opened"] is None:
+            batch["opened"] = t
+        for prio, _, s, b in by_key[i]:
+            part = batch["parts"].setdefault(s, [prio, 0.0, []])
+            part[0] = min(part[0], prio)
+            part[1] += b
+            part[2].append(i)
+        batch["bytes"] += sum(m[3] for m in by_key[i])
+
     order = sorted(range(n), key=lambda i: (ready[i], i))
+    sizes = [sum(m[3] for m in ms) for ms in by_key]
 
     def push_call(k, t):
         if k == n:
+            if batch["opened"] is not None:
+                send_batch(t)               # the first pull sends what waits
             pulls["free"] = t
             pull()
             return
         i = order[k]
+        start = max(t, ready[i])
+        if batch["opened"] is not None and start > t and start > batch["opened"] + setup.coalesce_s:
+            send_batch(max(t, batch["opened"] + setup.coalesce_s))     # the I/O thread, in the gap
+        small = setup.coalesce_s > 0 and k > 0 and sizes[i] <= setup.lane_bytes
 
         def called(t2):
-            for m in by_key[i]:
-                push(m, t2, lambda t3, i=i: arrived(i, t3))
+            if small:
+                if batch["bytes"] + sizes[i] > setup.lane_bytes:
+                    send_batch(t2)
+                wait(i, t2)
+            else:
+                for m in by_key[i]:
+                    push(m, t2, lambda t3, i=i: arrived(i, t3))
             push_call(k + 1, t2)
-        sim.chain(calls, called, start=max(t, ready[i]), priority=i if setup.priority else 0)
+        sim.chain(calls, called, start=start, priority=i if setup.priority else 0)
 
     push_call(0, t0)
 
