@@ -579,12 +579,14 @@ class DistKVStore(KVStore):
         nbytes = sum(a.nbytes for _, a in items)
         coalesce = self._coalesce
         if coalesce is not None:
-            if not coalesce.fits(op, keys, nbytes):
-                self._send_open()
-            if coalesce.follows_push and nbytes <= coalesce.limit:
+            if coalesce.follows_push and nbytes <= coalesce.limit:     # it waits, with the next ones
                 _check_priority(priority, what)
+                if not coalesce.fits(op, keys, nbytes):
+                    self._send_open()
                 self._defer(op, items, keys, priority, start)
                 return None
+            if coalesce.batch is not None and not coalesce.batch.keys.isdisjoint(keys):
+                self._send_open()           # it goes now, after the waiting push of its key
         stash = None
         if wants:
             # (a handle may outlive this kvstore: what its reply callback holds must not hold the kvstore)
