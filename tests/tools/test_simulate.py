@@ -257,6 +257,20 @@ def test_jobs_of_a_setup_give_the_median_of_their_medians(monkeypatch):
     assert asked == [40, 40, 40]
 
 
+def test_the_per_call_loop_is_timed_with_a_message_per_key(monkeypatch):
+    """The fit takes push+pull to send a message per key: the calibration's job turns coalescing
+    (kvps/kvstore/coalesce.py) off, which would merge them."""
+    from kvps.tools.bench import pushpull
+    seen = []
+
+    def job(workers, servers, command, env, timeout, verbose, label):
+        seen.append(env)
+        return ""
+    monkeypatch.setattr(pushpull, "kvps_job", job)
+    assert calibrate.call_steps(True) == {}
+    assert seen and seen[0].get("KVPS_COALESCE_US") == "0"
+
+
 # ---- real processes, tiny ----
 def _simulate(*args, timeout=240):
     return subprocess.run([PY, "-m", "kvps.cli", "simulate", *args], cwd=ROOT, env=dict(os.environ, **FAST_ENV),
@@ -272,7 +286,10 @@ def test_calibrate_and_validate_tiny(tmp_path):
     costs = costs_mod.Costs.load(path)
     assert costs.host_cores == os.cpu_count() and costs.sum_bytes_per_s > 1e8
     loop = costs.transport("loopback")
-    assert 0 < loop.per_message_s < 0.05 and loop.per_byte_s < 1e-7
+    # 0 is a fit, not a failure: a per-key call (its message sent on the caller's lane, its pull
+    # taken from the pushpull's reply) costs about what a key costs in one call naming them all
+    # (per_call_s), so what is left of the loop for its messages is within the noise here
+    assert 0 <= loop.per_message_s < 0.05 and loop.per_byte_s < 1e-7
     assert len(costs.measured["loopback_rounds"]) == len(calibrate.QUICK_SIZES)
     assert 0 < costs.per_call_s < 0.05 and costs.per_call_crowded_s >= 0 and "call_steps" in costs.measured
     if not ok:
