@@ -80,6 +80,15 @@ class Lanes:
         self._all = weakref.WeakSet()   # every live lane (a lane dies with its thread and its handles)
         self.ended = None               # the NodeFailure or stop that ends every wait
         node.add_failure_listener(self._end)
+        node.add_servers_listener(self._servers_changed)
+
+    def _servers_changed(self):
+        """A server died or joined (I/O thread): every lane sends what waited on a dead server to the
+        new heads now, not when its thread next waits on it, which it may never do (it waits on a
+        call that went through the I/O thread, whose round needs those requests). A lane its thread
+        is using is tried again a slice later."""
+        if any(not lane.follow() for lane in list(self._all)):
+            self._node.van.call_later(SLICE, self._servers_changed)
 
     def _end(self, exc):
         self.ended = exc
@@ -263,6 +272,21 @@ class Lane:
                         if sock is None:
                             continue
                     self._drain(sock, ready=True)
+        return True
+
+    def follow(self):
+        """With KVPS_REPLICAS: send the requests that waited on a dead server to the new heads of
+        their ranges now (_follow); False if the lane's thread holds it (it follows them itself
+        while it waits, or later)."""
+        if not self._keep or not self._pending:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.closed:
+                self._follow()
+        finally:
+            self._lock.release()
         return True
 
     def poll(self):

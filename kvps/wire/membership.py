@@ -130,6 +130,7 @@ class Node:
         self.servers_changed = 0        # SERVERS messages taken so far (lanes follow the chains by it)
         self._ended = None              # what ended this node's waits: its failure, or its stop
         self._end_listeners = []
+        self._servers_listeners = []    # fn() after each SERVERS (a server died or joined), on the I/O thread
         self._end_lock = threading.Lock()
 
     # ---- lifecycle ----
@@ -180,6 +181,12 @@ class Node:
                 self._end_listeners.append(listener)
                 return
         listener(self._ended)
+
+    def add_servers_listener(self, listener):
+        """Call listener() on the I/O thread each time the servers change (a server died or joined),
+        after the requests waiting on the I/O path have gone to the new heads. It must be short
+        and must not block."""
+        self._servers_listeners.append(listener)
 
     def _end_waits(self, exc):
         with self._end_lock:
@@ -289,6 +296,11 @@ class Node:
                         escape(meta["reason"]), "it joins the tail of its chains" if joined else
                         "its key ranges go on at their replicas")
             self.on_servers(meta)
+            for listener in list(self._servers_listeners):
+                try:
+                    listener()
+                except Exception:
+                    log.exception("%s: servers listener %r failed", self.name, listener)
         elif header.op == Op.SHUTDOWN:
             self.on_shutdown(header.meta.get("failed"))
         else:
