@@ -226,6 +226,7 @@ def test_a_lane_whose_server_closes_its_socket_fails_the_call_after_the_heartbea
     ids = itertools.count(1)
     node = types.SimpleNamespace(
         name="W0", servers_changed=0, telemetry=None, add_failure_listener=lambda fn: None,
+        add_servers_listener=lambda fn: None,
         requests=types.SimpleNamespace(failure=None, next_id=lambda: next(ids)),
         cfg=types.SimpleNamespace(replicas=0, timeout=30.0, max_message_bytes=1 << 20, heartbeat_timeout=0.2),
         van=types.SimpleNamespace(adopt=lambda owner: None))
