@@ -28,8 +28,9 @@ is 0, or where lanes are off (KVPS_LANE_BYTES=0, resends, injected faults).
         else: send it now
         coalesce.follows_push = True                  # any other call sets it False
 
-The kvstore (kvps/kvstore/ps.py) holds `lock` around every call, so its I/O thread's check, which
-only tries the lock, never sends while the caller is inside a call.
+The kvstore (kvps/kvstore/ps.py) holds `lock` through every push and while any other call sends the
+open batch; the I/O thread's check only tries the lock, so it never waits on the caller, and a
+batch exists only between calls or inside a push.
 """
 import threading
 import time

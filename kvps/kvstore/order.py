@@ -36,17 +36,10 @@ class Order:
         """The way a call on `keys` goes: `lane` (a Lane, or None when the call may not use one) or
         None (the I/O path). Waits first for what must be answered before."""
         earlier, reading = [], []
-        for key in keys:
-            last = self._last.get(key)
-            if last is None:
-                continue
-            handle, reads = last
-            if handle.done():
-                del self._last[key]
-            else:
-                earlier.append(handle)
-                if reads:
-                    reading.append(handle)
+        for handle, reads in self._unanswered(keys, forget_answered=True):
+            earlier.append(handle)
+            if reads:
+                reading.append(handle)
         if not earlier:
             return lane
         if self.strict:
@@ -66,17 +59,21 @@ class Order:
 
     def ready(self, keys):
         """Whether a call on `keys` may go on the I/O path now without waiting (route(keys, None)
-        would wait for nothing); never waits, so the I/O thread may ask."""
+        would wait for nothing); never waits and changes nothing, so the I/O thread may ask."""
+        return not any(self.strict or reads or type(handle) is LaneHandle
+                       for handle, reads in self._unanswered(keys))
+
+    def _unanswered(self, keys, forget_answered=False):
+        """(handle, reads) of the last request naming each key, where it is not answered yet."""
         for key in keys:
             last = self._last.get(key)
             if last is None:
                 continue
-            handle, reads = last
-            if handle.done():
+            if last[0].done():
+                if forget_answered:
+                    del self._last[key]
                 continue
-            if self.strict or reads or type(handle) is LaneHandle:
-                return False
-        return True
+            yield last
 
     def sent(self, keys, handle, reads=False):
         for key in keys:

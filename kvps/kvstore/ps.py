@@ -31,7 +31,7 @@ from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.lane import Lanes
 from kvps.wire.membership import Worker
 from kvps.wire.shm import LINK_META, MIN_BYTES, Arena, Reader, ShmRefused, inlined
-from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, numpy_dtype
+from kvps.wire.protocol import MAX_ENTRIES, MAX_ROW_IDS, Entry, Header, Op, as_array, dtype_code, entries, numpy_dtype
 
 log = logging.getLogger("kvps.worker")
 
@@ -130,8 +130,7 @@ def _after_pushes(method):
         if coalesce is not None:
             with coalesce.lock:
                 coalesce.follows_push = False
-                if coalesce.batch is not None:
-                    self._send_batch(False)
+                self._send_open()
         return method(self, *args, **kwargs)
     return call
 
@@ -452,7 +451,7 @@ class DistKVStore(KVStore):
             with many other keys, Stash.picked), else all of it."""
             placed, reader = self._placed(header)
             try:
-                copy(header, _entries(header, payloads) if picked is None else picked, placed, reader)
+                copy(header, entries(header, payloads) if picked is None else picked, placed, reader)
             finally:
                 if release:                     # the server may change those values now
                     _unread(self._readers, header)
@@ -1028,12 +1027,6 @@ def _server_local(node, peer):
         return None
     _, port, pid = node.membership["servers"][server]
     return port, pid
-
-
-def _entries(header, payloads):
-    """(index, entry, its payload frame or None) of each entry of a message."""
-    frames = iter(payloads)
-    return [(index, entry, next(frames) if entry.nbytes else None) for index, entry in enumerate(header.keys)]
 
 
 def _check_priority(priority, what):

@@ -17,6 +17,8 @@ without a pull in between stops being pulled ahead.
 
 import threading
 
+from kvps.wire.protocol import entries
+
 MISSES = 2          # pushes without a pull in between after which a key is no longer pulled ahead
 
 
@@ -47,10 +49,7 @@ class Stash:
         through an index made once per reply (a batch's reply holds many keys, pulled one by one)."""
         index = self._index.get(id(header))
         if index is None:
-            index = self._index[id(header)] = {}
-            frames = iter(payloads)
-            for i, entry in enumerate(header.keys):
-                index[(entry.key, entry.part)] = (i, entry, next(frames) if entry.nbytes else None)
+            index = self._index[id(header)] = {(e[1].key, e[1].part): e for e in entries(header, payloads)}
         return [index[w] for w in wanted if w in index]
 
     def add(self, keys):

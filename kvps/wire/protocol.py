@@ -695,6 +695,13 @@ def _entry(e):
     return tuple.__new__(Entry, (key, part, dtype, tuple(shape), nbytes))
 
 
+def entries(header, payloads):
+    """[(index, entry, its payload frame or None)] of a message: the frames follow the entries that
+    carry bytes (nbytes > 0), in order."""
+    frames = iter(payloads)
+    return [(index, entry, next(frames) if entry.nbytes else None) for index, entry in enumerate(header.keys)]
+
+
 def unpack(frames):
     """Split a received multipart message into (Header, payload frames) and check the payload sizes
     (a BUNDLE's payloads are the frames of its messages: see unbundle)."""

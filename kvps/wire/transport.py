@@ -430,6 +430,8 @@ class Van:
 
     def _once_timeout(self, timeout):
         """The poll timeout (ms) that wakes the loop for the next call_later too."""
+        if not self._once:          # (read without the lock: a call_later from elsewhere wakes the loop)
+            return timeout
         with self._lock:
             if not self._once:
                 return timeout
