@@ -6,7 +6,7 @@
 """
 from kvps import lr_scheduler, optimizer
 from kvps.errors import (KVPSError, ConfigError, ProtocolError, KVTimeoutError, NodeFailure, RemoteError,
-                     KernelUnavailable)
+                     KernelUnavailable, PerformanceWarning)
 from kvps import kvstore
 from kvps import kvstore as kv          # MXNet's mx.kv.create(...) and mx.kvstore.create(...)
 from kvps.kvstore import KVStore, create

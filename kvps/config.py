@@ -52,9 +52,10 @@ VARIABLES = (
                                          "answered on the calling thread's own connections, without the hand-offs "
                                          "to the I/O thread (kvps/wire/lane.py); 0: every call goes through the "
                                          "I/O thread"),
-    Var("KVPS_COALESCE_US", 1000, int, "small blocking pushes called one after another wait up to this many "
-                                       "microseconds to go as one request, sent by any other call "
-                                       "(kvps/kvstore/coalesce.py); 0: every push goes at once"),
+    Var("KVPS_COALESCE_US", 1000, int, "small blocking pushes (and small `async_op=True` pushpulls) called one "
+                                       "after another wait up to this many microseconds to go as one request, sent "
+                                       "by any other call or a wait on their handle (kvps/kvstore/coalesce.py); 0: "
+                                       "every call goes at once"),
     Var("KVPS_SHM", 1, int, "1: a worker and a server on one host move big payloads through shared memory, "
                             "and ZeroMQ carries only headers (kvps/wire/shm.py), small calls go on the server's "
                             "Unix socket (kvps/wire/local.py), and ring neighbours on one host share memory "

@@ -48,6 +48,11 @@ class KernelUnavailable(KVPSError):
     """A compute-kernel backend was asked for but cannot be used here."""
 
 
+class PerformanceWarning(UserWarning):
+    """A script calls kvps in a way that works but is much slower than another that does the same
+    (the warning says which); kvps says it once per kvstore."""
+
+
 # Error kinds as they travel in ERROR replies (protocol.Op.ERROR meta["kind"]).
 REMOTE_KINDS = {
     "value": KVValueError,

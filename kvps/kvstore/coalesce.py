@@ -1,7 +1,7 @@
-"""Coalescing: small pushes called one key at a time travel as one request.
+"""Coalescing: small pushes, and small async pushpulls, called one key at a time travel as one request.
 
-MXNet scripts and Gluon's Trainer push each key on its own (`for k: push(k)`, then `for k:
-pull(k)`). Sent alone, each push costs a message each way, a server's handling of it and the
+MXNet scripts (and Gluon's Trainer up to MXNet 1.5) push each key on its own (`for k: push(k)`,
+then `for k: pull(k)`). Sent alone, each push costs a message each way, a server's handling of it and the
 worker's Python around both; with hundreds of small keys those calls are most of a step (MXNet
 hides them behind its engine's C++ threads). So a blocking push that follows another push, and is
 small (it would go on the caller's lane, kvps/wire/lane.py), is not sent at once: its values are
@@ -21,29 +21,43 @@ script goes on pushing, and at most about KVPS_COALESCE_US after it stops callin
 each key right after pushing it sends as before), and so does every push when KVPS_COALESCE_US
 is 0, or where lanes are off (KVPS_LANE_BYTES=0, resends, injected faults).
 
+Small `pushpull(key, ..., async_op=True)` calls of one key each that follow one another (Horovod's
+per-tensor allreduce_async_, or a Gluon-style per-key loop made asynchronous) join a batch of their
+own in the same way, by the same rules, and the batch goes as one PUSHPULL of all their keys through
+the I/O thread. (A call of a list of keys goes as its caller fused it: kvps.torch's buckets.) Such a call returns a Joined handle: waiting on it sends the batch if it has not gone yet,
+then waits for the batch's replies, which fill every call's `out`. A blocking pushpull cannot wait
+in a batch: its `out` is read as soon as it returns.
+
     coalesce = Coalescer(delay_s, limit_bytes, later)  # later(s, fn): fn on the I/O thread (Van.call_later)
     with coalesce.lock:                               # a push:
         if not coalesce.fits(op, keys, nbytes): send(coalesce.take())
-        if coalesce.follows_push: add it to coalesce.batch (coalesce.open(Batch(...), send) first)
+        if coalesce.follows == Op.PUSH: add it to coalesce.batch (coalesce.open(Batch(...), send) first)
         else: send it now
-        coalesce.follows_push = True                  # any other call sets it False
+        coalesce.follows = Op.PUSH                    # any other call sets it None
 
-The kvstore (kvps/kvstore/ps.py) holds `lock` through every push and while any other call sends the
-open batch; the I/O thread's check only tries the lock, so it never waits on the caller, and a
-batch exists only between calls or inside a push.
+The kvstore (kvps/kvstore/ps.py) holds `lock` through every push and pushpull and while any other
+call sends the open batch; the I/O thread's check only tries the lock, so it never waits on the
+caller, and a batch exists only between calls or inside a push or pushpull.
 """
 import threading
 import time
 
+from kvps.wire.protocol import Op
+
 
 class Batch:
-    """Pushes waiting to go as one request: their (KeyInfo, copied array) items, the Messages that
-    carry them, and for pull-ahead (PUSHPULL) the Stash that will keep their replies."""
-    __slots__ = ("op", "items", "keys", "nbytes", "priority", "messages", "stash", "starts", "private", "opened",
-                 "send")
+    """Calls waiting to go as one request: their (KeyInfo, array) items, the Messages that carry
+    them, and for pull-ahead (PUSHPULL) the Stash that will keep their replies. `call`: the kvstore
+    call they are (Op.PUSH, whose op on the wire may be PUSHPULL for pull-ahead, or Op.PUSHPULL:
+    async pushpulls, whose `outs` the replies fill; `handle` is theirs once the batch is sent)."""
+    __slots__ = ("op", "call", "items", "keys", "nbytes", "priority", "messages", "stash", "starts", "private",
+                 "opened", "send", "outs", "handle")
 
-    def __init__(self, op, messages, stash=None):
+    def __init__(self, op, messages, stash=None, call=Op.PUSH):
         self.op = op
+        self.call = call
+        self.outs = []                  # async pushpulls: their (KeyInfo, [Out]) items
+        self.handle = None
         self.items = []
         self.keys = set()
         self.nbytes = 0
@@ -74,12 +88,12 @@ class Coalescer:
         self._later = later
         self.lock = threading.RLock()       # held by the kvstore through each call, tried by the I/O thread
         self.batch = None
-        self.follows_push = False           # the last call was a push: a small push now may wait
+        self.follows = None                 # Op.PUSH or Op.PUSHPULL: the last call could wait, so this one may
 
-    def fits(self, op, keys, nbytes):
-        """Whether a push can join the open batch (True when none is open)."""
+    def fits(self, op, keys, nbytes, call=Op.PUSH):
+        """Whether a call can join the open batch (True when none is open)."""
         batch = self.batch
-        return batch is None or (batch.op == op and batch.keys.isdisjoint(keys)
+        return batch is None or (batch.op == op and batch.call == call and batch.keys.isdisjoint(keys)
                                  and batch.nbytes + nbytes <= self.limit)
 
     def open(self, batch, send):
@@ -127,3 +141,36 @@ class Coalescer:
             batch = self.batch
             if batch is not None:
                 batch.send(False)
+
+
+class Joined:
+    """The handle of an async pushpull that waits in a batch: once the batch is sent, the batch's
+    Handle (kvps/wire/requests.py), which every call of the batch shares. wait() sends the batch
+    first if it is still open; done() only looks (the I/O thread sends an open batch within
+    KVPS_COALESCE_US)."""
+    __slots__ = ("what", "_batch", "_lock")
+
+    def __init__(self, batch, what, lock):
+        self.what = what
+        self._batch = batch
+        self._lock = lock               # the Coalescer's
+
+    def wait(self, timeout=None):
+        batch = self._batch
+        if batch.handle is None:
+            with self._lock:
+                if batch.handle is None and batch.send is not None:
+                    batch.send(False)
+        batch.handle.wait(timeout)
+        return self
+
+    def done(self):
+        handle = self._batch.handle
+        return handle is not None and handle.done()
+
+    def succeeded(self):
+        handle = self._batch.handle
+        return handle is not None and handle.succeeded()
+
+    def __repr__(self):
+        return f"<Joined {self.what}: {'waiting to be sent' if self._batch.handle is None else self._batch.handle}>"

@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -21,11 +22,11 @@ from kvps.arrays import copy_into
 from kvps.ps import compression, sharding
 from kvps.config import Config
 from kvps.ps.consistency import Consistency
-from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, ProtocolError, describe
+from kvps.errors import KVPSError, KVTimeoutError, NodeFailure, PerformanceWarning, ProtocolError, describe
 from kvps.wire.requests import Handle, remember
 from kvps.kvstore.base import KeyInfo, KVStore
 from kvps.kvstore.checkpointer import Checkpointer
-from kvps.kvstore.coalesce import Batch, Coalescer
+from kvps.kvstore.coalesce import Batch, Coalescer, Joined
 from kvps.kvstore.order import Order
 from kvps.kvstore.pull_ahead import PullAhead, Stash
 from kvps.wire.lane import Lanes
@@ -121,15 +122,44 @@ class _What:
     __repr__ = __str__
 
 
+class _SoloCalls:
+    """Blocking pushpulls of one key each, one after another: each waits for its round trip, where
+    MXNet's engine overlaps them (Gluon's Trainer calls pushpull per parameter). After HINT of them in
+    a row, of more than one key, kvps says once how to overlap them."""
+    HINT = 64
+    __slots__ = ("key", "run", "said")
+
+    def __init__(self):
+        self.key, self.run, self.said = None, 0, False
+
+    def note(self, key):
+        if self.said:
+            return
+        if isinstance(key, (list, tuple)):
+            self.run = 0
+            return
+        if key != self.key:
+            self.key = key
+            self.run += 1
+            if self.run >= self.HINT:
+                self.said = True
+                warnings.warn(
+                    f"{self.HINT} blocking pushpull calls of one key each in a row: each waits for its own round "
+                    f"trip before it returns (MXNet's engine overlaps them). Pass async_op=True and call "
+                    f"kv.wait_all() before reading the outs (small ones then go to the servers together), or "
+                    f"pass the keys and values as lists in one call; see docs/mxnet.md",
+                    PerformanceWarning, stacklevel=3)
+
+
 def _after_pushes(method):
-    """A kvstore call other than push: the open batch of coalesced pushes goes first
+    """A kvstore call other than push and pushpull: the open batch of coalesced calls goes first
     (kvps/kvstore/coalesce.py)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         coalesce = self._coalesce
         if coalesce is not None:
             with coalesce.lock:
-                coalesce.follows_push = False
+                coalesce.follows = None
                 self._send_open()
         return method(self, *args, **kwargs)
     return call
@@ -173,6 +203,7 @@ class DistKVStore(KVStore):
         self._node.requests.rehome = functools.partial(_rehome_weakly, weakref.ref(self))
         # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
         self._order = Order(strict=bool(self._node.requests.resend_after))
+        self._solo = _SoloCalls()
         self._lanes = None
         if lanes:
             # (the node outlives this kvstore: what it holds, such as the lanes, must not hold the kvstore)
@@ -552,10 +583,12 @@ class DistKVStore(KVStore):
         if coalesce is None:
             return self._push(key, value, priority, async_op, row_ids)
         with coalesce.lock:
+            if coalesce.batch is not None and coalesce.batch.call != Op.PUSH:
+                self._send_open()           # the pushpulls called before it go first
             try:
                 return self._push(key, value, priority, async_op, row_ids)
             finally:
-                coalesce.follows_push = True
+                coalesce.follows = Op.PUSH
 
     def _push(self, key, value, priority, async_op, row_ids):
         if row_ids is not None:
@@ -578,7 +611,7 @@ class DistKVStore(KVStore):
         nbytes = sum(a.nbytes for _, a in items)
         coalesce = self._coalesce
         if coalesce is not None:
-            if coalesce.follows_push and nbytes <= coalesce.limit:     # it waits, with the next ones
+            if coalesce.follows == Op.PUSH and nbytes <= coalesce.limit:     # it waits, with the next ones
                 _check_priority(priority, what)
                 if not coalesce.fits(op, keys, nbytes):
                     self._send_open()
@@ -643,10 +676,11 @@ class DistKVStore(KVStore):
             self._send_batch(False)
 
     def _send_batch(self, late):
-        """Send the open batch of pushes as one call; returns whether it went. `late`: on the I/O
-        thread (Coalescer.check), through the I/O path, and only if no earlier request naming its
-        keys must be answered first (kvps/kvstore/order.py); else on this thread's lane. A failure
-        fails the batch's handle, which the next call raises (and a pull of its keys)."""
+        """Send the open batch as one call; returns whether it went. `late`: on the I/O thread
+        (Coalescer.check), through the I/O path, and only if no earlier request naming its keys must
+        be answered first (kvps/kvstore/order.py); else on this thread's lane where it may take one.
+        A failure of a batch of pushes fails its handle, which the next call raises (and a pull of
+        its keys); a batch of async pushpulls fails their handle, which their waits raise."""
         coalesce = self._coalesce
         batch = coalesce.batch
         if batch is None:
@@ -654,6 +688,8 @@ class DistKVStore(KVStore):
         if late and not self._order.ready(batch.keys):
             return False
         coalesce.take()
+        if batch.call == Op.PUSHPULL:
+            return self._send_pushpulls(batch, late)
         what = self._what("push", batch.items)
         stash = batch.stash
         try:
@@ -671,6 +707,21 @@ class DistKVStore(KVStore):
         self._returned_early(handle)
         for key, array in batch.private:         # private copies, reusable once the batch is over
             self._copies[key] = (array, handle)
+        return True
+
+    def _send_pushpulls(self, batch, late):
+        """Send a batch of async pushpulls as one (through the I/O thread, as any async call)."""
+        what = self._what("pushpull", batch.items)
+        try:
+            batch.handle = self._send(Op.PUSHPULL, what, batch.messages, on_reply=self._filler(batch.outs),
+                                      keep=(batch.items, batch.outs, batch.messages), async_op=True,
+                                      then=_finishers(batch.outs), priority=batch.priority,
+                                      lane=None if late else _AUTO, call=Op.PUSHPULL, starts=batch.starts)
+        except Exception as exc:
+            batch.handle = Handle.failed(what, exc)
+            remember(self._pending, batch.handle)
+            if not late:
+                raise
         return True
 
     def _push_rows(self, key, value, row_ids, async_op, priority):
@@ -747,18 +798,73 @@ class DistKVStore(KVStore):
             finish()
         return Handle.completed(self._what("pull", items))
 
-    @_after_pushes
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
+        """Push `value` and fill `out` (default: `value`) with the round's result. Blocking, `out`
+        is complete when it returns; with async_op=True it returns a handle at once, and a small one
+        that follows another may wait to go with the next ones (kvps/kvstore/coalesce.py)."""
+        if not async_op:
+            self._solo.note(key)
+        coalesce = self._coalesce
+        if coalesce is None:
+            return self._pushpull(key, value, out, priority, async_op)
+        if async_op is not True:
+            with coalesce.lock:
+                coalesce.follows = None
+                self._send_open()
+            # (outside the lock: a blocking call waits for its round, which another thread's call may close)
+            return self._pushpull(key, value, out, priority, async_op)
+        # a call of one key may join (a list is a fusion its caller chose: kvps.torch's buckets)
+        single = not isinstance(key, (list, tuple))
+        with coalesce.lock:
+            joins = single and coalesce.follows == Op.PUSHPULL
+            coalesce.follows = None
+            if not joins:
+                self._send_open()
+            return self._pushpull(key, value, out, priority, async_op, joins, single)
+
+    def _pushpull(self, key, value, out, priority, async_op, joins=False, single=False):
+        start = time.time()
         values = self._values(key, value, "pushpull")
+        keys = [info.key for info, _ in values]
         if self._checkpoints.every:
-            self._checkpoints.before_push([info.key for info, _ in values], self.wait_all)
-        self._forget([info.key for info, _ in values])
+            self._checkpoints.before_push(keys, self.wait_all)
+        self._forget(keys)
         self._straggle(values)
         outs = self._outs(key, value if out is None else out, "pushpull")
+        coalesce = self._coalesce
+        if single and coalesce is not None and async_op is True and \
+                sum(a.nbytes for _, a in values) <= coalesce.limit:
+            if joins:
+                return self._join(values, outs, keys, priority, start)
+            coalesce.follows = Op.PUSHPULL        # the next small one may wait
         messages = self._with_values(values, self._codec, self._shareable(values, self._codec), replies=True)
         return self._send(Op.PUSHPULL, self._what("pushpull", values), messages,
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
                           then=_finishers(outs), priority=priority)
+
+    def _join(self, values, outs, keys, priority, start):
+        """Add a small async pushpull to the open batch of them (opened here if none is); its handle."""
+        what = self._what("pushpull", values)
+        _check_priority(priority, what)
+        self._check_returned()
+        coalesce = self._coalesce
+        nbytes = sum(a.nbytes for _, a in values)
+        if not coalesce.fits(Op.PUSHPULL, keys, nbytes, call=Op.PUSHPULL):
+            self._send_open()
+        batch = coalesce.batch
+        if batch is None:
+            batch = Batch(Op.PUSHPULL, Messages(self._message_bytes), call=Op.PUSHPULL)
+            coalesce.open(batch, self._send_batch)
+        # the values go from the caller's arrays (or its copies in shared memory), as an async call's do
+        self._with_values(values, self._codec, self._shareable(values, self._codec), replies=True,
+                          messages=batch.messages)
+        batch.add(values, priority, start)
+        batch.outs.extend(outs)
+        joined = Joined(batch, what, coalesce.lock)
+        coalesce.follows = Op.PUSHPULL
+        if batch.nbytes >= coalesce.limit:
+            self._send_open()
+        return joined
 
     @_after_pushes
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, async_op=False):

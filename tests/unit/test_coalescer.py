@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kvps.kvstore.base import KeyInfo
-from kvps.kvstore.coalesce import Batch, Coalescer
+from kvps.kvstore.coalesce import Batch, Coalescer, Joined
+from kvps.wire.requests import Handle
 from kvps.wire.protocol import Op
 
 pytestmark = pytest.mark.unit
@@ -28,8 +29,8 @@ class Later:
             fn()
 
 
-def batch_of(op, keys, nbytes=40):
-    batch = Batch(op, messages=None)
+def batch_of(op, keys, nbytes=40, call=Op.PUSH):
+    batch = Batch(op, messages=None, call=call)
     batch.add([(KeyInfo(k, np.dtype(np.float32), (nbytes // 4,)), np.zeros(nbytes // 4, np.float32)) for k in keys],
               priority=0, start=time.time())
     return batch
@@ -109,3 +110,41 @@ def test_send_open_sends_what_waits_at_exit():
     c.open(batch_of(Op.PUSHPULL, [1]), lambda late: sent.append(late) or True)
     c.send_open()
     assert sent == [False]
+
+
+def test_async_pushpulls_and_pushes_never_share_a_batch():
+    c = Coalescer(0.001, limit=100, later=Later())
+    c.open(batch_of(Op.PUSHPULL, [1], call=Op.PUSHPULL), send=lambda late: True)
+    assert c.fits(Op.PUSHPULL, [2], 20, call=Op.PUSHPULL)
+    assert not c.fits(Op.PUSHPULL, [2], 20)         # a pulled-ahead push goes as PUSHPULL, but is a push
+    assert not c.fits(Op.PUSH, [2], 20)
+    assert not c.fits(Op.PUSHPULL, [1], 20, call=Op.PUSHPULL)
+
+
+def test_waiting_on_a_joined_call_sends_its_batch_once_then_waits_for_the_batch():
+    c = Coalescer(1.0, limit=1000, later=Later())
+    batch = batch_of(Op.PUSHPULL, [1, 2], call=Op.PUSHPULL)
+    sent = []
+
+    def send(late):
+        sent.append(late)
+        c.take()
+        batch.handle = Handle.completed("pushpull of keys 1, 2")
+        return True
+    c.open(batch, send)
+    first, second = Joined(batch, "pushpull of key 1", c.lock), Joined(batch, "pushpull of key 2", c.lock)
+    assert not first.done() and not first.succeeded()       # done() only looks: nothing is sent
+    assert sent == []
+    assert first.wait() is first and sent == [False] and c.batch is None
+    assert second.done() and second.succeeded()
+    second.wait()
+    assert sent == [False]                                  # sent once, for both
+
+
+def test_a_joined_call_raises_its_batchs_error():
+    batch = batch_of(Op.PUSHPULL, [1], call=Op.PUSHPULL)
+    batch.handle = Handle.failed("pushpull of key 1", ValueError("refused by S0"))
+    joined = Joined(batch, "pushpull of key 1", threading.RLock())
+    assert joined.done() and not joined.succeeded()
+    with pytest.raises(ValueError, match="refused by S0"):
+        joined.wait()
