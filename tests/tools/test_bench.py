@@ -26,7 +26,7 @@ def table_rows(stdout):
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[1] in ("push+pull", "list", "pushpull"):
+        if len(cells) == 7 and cells[1] in ("push+pull", "list", "pushpull", "pushpull-each", "pushpull-each-async"):
             rows[(cells[0], cells[1])] = float(cells[2])
     return rows
 
@@ -81,6 +81,29 @@ def test_pattern_picks_the_call_patterns(tmp_path):
     assert set(table_rows(done.stdout)) == {("1 KB round", "push+pull"), ("1 KB round", "pushpull")}, done.stdout
     bad = run_bench(["--pattern", "mxnet,fast"], tmp_path)
     assert bad.returncode == 2 and "choose from mxnet, list, pushpull" in bad.stderr, bad.stderr
+
+
+def test_small_keys_and_gluons_per_key_pushpulls(tmp_path):
+    done = run_bench(["--quick", "--sizes", "1KB", "--resnet-steps", "0", "--small-keys", "20",
+                      "--pattern", "gluon,gluon-async"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = table_rows(done.stdout)
+    assert set(rows) == {(w, c) for w in ("1 KB round", "20 keys of 64 floats")
+                         for c in ("pushpull-each", "pushpull-each-async")}, done.stdout
+    assert all(ms > 0 for ms in rows.values()), done.stdout
+    assert "PerformanceWarning" not in done.stderr        # timed on purpose: the worker does not warn
+
+
+def test_per_key_pushpulls_are_compared_with_mxnets_per_key_pushpulls():
+    from kvps.tools.bench import pushpull
+    assert workloads.mxnet_modes(["push+pull", "pushpull"]) == ("push+pull",)
+    assert workloads.mxnet_modes(["pushpull-each-async", "pushpull-each"]) == ("push+pull", "pushpull-each")
+    row = lambda mode, ms: {"workload": "keys", "bytes": 256, "mode": mode, "ms": ms, "tensors": 1}
+    mxnet = [row("push+pull", 10.0), row("pushpull-each", 20.0)]
+    rows = {r["mode"]: r["ratio"] for r in pushpull.compare(
+        [row("push+pull", 5.0), row("pushpull", 4.0), row("pushpull-each", 40.0), row("pushpull-each-async", 10.0)],
+        mxnet)}
+    assert rows == {"push+pull": 0.5, "pushpull": 0.4, "pushpull-each": 2.0, "pushpull-each-async": 0.5}
 
 
 def test_a_job_past_its_deadline_fails_fast_with_its_log(tmp_path):

@@ -6,6 +6,7 @@ Times the plan's workloads (workloads.py) with kvps's dist kvstore; rank 0
 prints the results as JSON lines.
 """
 import sys
+import warnings
 
 import numpy as np
 
@@ -16,8 +17,8 @@ from kvps.tools.bench import workloads
 
 class KVPSPeer:
     """The benchmark's view of a kvps kvstore. Its modes are the call patterns (PATTERNS) the plan
-    asks for: "push+pull" as MXNet scripts and Gluon's Trainer write it, "list" and "pushpull"
-    with whole lists."""
+    asks for: "push+pull" as MXNet scripts write it, "pushpull-each" (-async) as Gluon's Trainer
+    does, "list" and "pushpull" with whole lists."""
     name = "kvps"
 
     def __init__(self, kvtype, modes=None, calls=1):
@@ -54,6 +55,21 @@ class KVPSPeer:
                 kv.push(keys, grads)
                 kv.pull(keys, out=outs)
             return push_list_then_pull_list
+        if mode == "pushpull-each":
+            # Gluon's Trainer's calls (MXNet 1.6 on): one blocking pushpull per key, which kvps warns
+            # about (it is timed here on purpose)
+            warnings.filterwarnings("ignore", category=kvps.PerformanceWarning)
+
+            def pushpull_each():
+                for i, (key, grad, out) in enumerate(zip(keys, grads, outs)):
+                    kv.pushpull(key, grad, out=out, priority=-i)
+            return pushpull_each
+        if mode == "pushpull-each-async":
+            def pushpull_each_async():
+                for i, (key, grad, out) in enumerate(zip(keys, grads, outs)):
+                    kv.pushpull(key, grad, out=out, priority=-i, async_op=True)
+                kv.wait_all()
+            return pushpull_each_async
         if mode != "push+pull":
             raise ValueError(f"unknown mode {mode!r}")
 

@@ -18,12 +18,13 @@ import workloads              # noqa: E402
 
 
 class MXNetPeer:
-    """The benchmark's view of an MXNet dist kvstore (pushes and pulls as Gluon's Trainer issues them)."""
+    """The benchmark's view of an MXNet dist kvstore: per-key pushes then pulls (as MXNet scripts
+    call them), and per-key pushpulls (as Gluon's Trainer does since MXNet 1.6)."""
     name = "mxnet"
 
-    def __init__(self, kvtype):
+    def __init__(self, kvtype, modes=("push+pull",)):
         self.kv = mx.kv.create(kvtype)
-        self.modes = ("push+pull",)
+        self.modes = tuple(modes)
         if "async" in kvtype:
             # MXNet's async servers abort without an updater; a zero learning rate keeps values fixed.
             self.kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.0))
@@ -44,9 +45,15 @@ class MXNetPeer:
         self.kv._barrier()     # MXNet's worker barrier is private
 
     def step(self, mode, keys, grads, outs):
-        if mode != "push+pull":
-            raise ValueError(f"the MXNet peer times push+pull only, not {mode!r}")
         kv = self.kv
+        if mode == "pushpull-each":
+            def pushpull_each():            # Gluon's Trainer (MXNet 1.6 on), for dense gradients
+                for i, (key, grad, out) in enumerate(zip(keys, grads, outs)):
+                    kv.pushpull(key, grad, out=out, priority=-i)
+                mx.nd.waitall()
+            return pushpull_each
+        if mode != "push+pull":
+            raise ValueError(f"the MXNet peer times push+pull and pushpull-each, not {mode!r}")
 
         def push_then_pull():
             for i, (key, grad) in enumerate(zip(keys, grads)):
@@ -62,7 +69,7 @@ def main(argv):
         print(f"usage: {argv[0]} PLAN.json", file=sys.stderr)
         return 2
     plan = workloads.load_plan(argv[1])
-    workloads.run(plan, MXNetPeer(plan["kvtype"]))
+    workloads.run(plan, MXNetPeer(plan["kvtype"], workloads.mxnet_modes(plan.get("modes"))))
     return 0
 
 

@@ -68,11 +68,17 @@ def parser():
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results to FILE")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each job (kvps, MXNet) may take before it is stopped (default 300)")
-    p.add_argument("--pattern", default=",".join(workloads.PATTERNS),
+    p.add_argument("--pattern", default=",".join(workloads.DEFAULT_PATTERNS),
                    help="kvps's call patterns, comma-separated: mxnet (per-key push loop then per-key pull loop, "
-                        "blocking, priority=-i, as MXNet scripts and Gluon's Trainer call it; the mode "
-                        "'push+pull'), list (push(all keys) then pull(all keys)), pushpull (pushpull(all keys)); "
-                        "default: all. MXNet always runs the mxnet pattern")
+                        "blocking, priority=-i, as MXNet scripts call it; the mode 'push+pull'), list (push(all "
+                        "keys) then pull(all keys)), pushpull (pushpull(all keys)), gluon (one blocking "
+                        "pushpull per key, priority=-i, as Gluon's Trainer calls it since MXNet 1.6; the mode "
+                        "'pushpull-each'), gluon-async (the same with async_op=True, then wait_all()); default: "
+                        "mxnet,list,pushpull. MXNet runs the mxnet pattern, and with gluon or gluon-async its "
+                        "per-key pushpull too, the baseline of both")
+    p.add_argument("--small-keys", type=int, default=0, metavar="N",
+                   help="also time a step over N keys of 64 floats each (a model with many small tensors, "
+                        "where each call's own cost decides); default 0: none")
     p.add_argument("--tcp", action="store_true",
                    help="also run kvps with KVPS_SHM=0 (everything over TCP) in the same run, and report "
                         "shared memory against TCP")
@@ -107,6 +113,8 @@ def _args(argv):
         p.error(f"--server-threads {args.server_threads}: give N > 1 (1 is the plain run it is compared with)")
     if args.replicas and not 0 < args.replicas < args.servers:
         p.error(f"--replicas {args.replicas} needs more servers than replicas (-s {args.servers})")
+    if args.small_keys < 0:
+        p.error(f"--small-keys {args.small_keys} must not be negative")
     if args.resnet_steps is not None and args.resnet_steps < 0:
         p.error(f"--resnet-steps {args.resnet_steps} must not be negative")
     try:
@@ -211,8 +219,9 @@ def missing(plan, rows):
     """The planned workloads a job printed no result for."""
     seen = {(r["workload"], r["bytes"]) for r in rows}
     planned = [("round", item["bytes"]) for item in plan["sweep"]]
-    if plan.get("resnet"):
-        planned.append(("resnet50", 4 * sum(math.prod(s) for s in plan["resnet"]["shapes"])))
+    for workload, step_set in (("resnet50", plan.get("resnet")), ("keys", plan.get("small"))):
+        if step_set:
+            planned.append((workload, 4 * sum(math.prod(s) for s in step_set["shapes"])))
     return [f"{w} {show_size(n)}" for w, n in planned if (w, n) not in seen]
 
 
@@ -234,6 +243,8 @@ def median_run(runs):
 def _label(row):
     if row["workload"] == "round":
         return f"{show_size(row['bytes'])} round"
+    if row["workload"] == "keys":
+        return f"{row['tensors']} keys of {workloads.SMALL_FLOATS} floats"
     return f"ResNet-50 step ({row.get('tensors', 161)} tensors, {row['bytes'] / 4e6:.1f}M floats)"
 
 
@@ -242,11 +253,12 @@ def _ms(ms):
 
 
 def compare(kvps_rows, mxnet_rows):
-    """One row per kvps result, with MXNet's push+pull time for the same workload and the ratio."""
-    baseline = {(r["workload"], r["bytes"]): r for r in mxnet_rows if r["mode"] == "push+pull"}
+    """One row per kvps result, with MXNet's time for the same workload (its per-key pushpull for
+    kvps's, else its push+pull) and the ratio."""
+    baseline = {(r["workload"], r["bytes"], r["mode"]): r for r in mxnet_rows}
     rows = []
     for r in kvps_rows:
-        mx = baseline.get((r["workload"], r["bytes"]))
+        mx = baseline.get((r["workload"], r["bytes"], workloads.MXNET_BASELINE.get(r["mode"], "push+pull")))
         rows.append({"workload": r["workload"], "label": _label(r), "bytes": r["bytes"], "mode": r["mode"],
                      "kvps": r, "mxnet": mx, "ratio": r["ms"] / mx["ms"] if mx else None})
     return rows
@@ -282,7 +294,9 @@ def report(rows, targets, args, mxnet_ran):
              + (f", from the median of {args.repeat} alternating runs of each system" if args.repeat > 1 else "")
              + "; ratio = kvps / MXNet (below 1: kvps is faster). Calls: push+pull = MXNet's pattern (for each "
                "key push(key, priority=-i), then for each key pull(key, priority=-i), blocking), list = "
-               "push(all keys) then pull(all keys), pushpull = pushpull(all keys). MXNet always runs push+pull.",
+               "push(all keys) then pull(all keys), pushpull = pushpull(all keys), pushpull-each = pushpull(key, "
+               "priority=-i) for each key (Gluon's Trainer), blocking, and -async with async_op=True then "
+               "wait_all(). MXNet runs push+pull, and pushpull-each, the baseline of both pushpull-each rows.",
              "",
              "| workload | kvps call | kvps ms | kvps GB/s | MXNet ms | MXNet GB/s | kvps/MXNet |",
              "|---|---|--:|--:|--:|--:|--:|"]
@@ -436,7 +450,7 @@ def main(argv=None):
         if problem:
             print(f"kvps bench pushpull: --mxnet {args.mxnet}: cannot import mxnet:\n{problem}", file=sys.stderr)
             return USAGE
-    plan = workloads.make_plan(args.sizes, args.resnet_steps, args.quick, args.kvtype, args.modes)
+    plan = workloads.make_plan(args.sizes, args.resnet_steps, args.quick, args.kvtype, args.modes, args.small_keys)
     try:
         with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp:
             runs = measure(args, plan, tmp)

@@ -13,7 +13,10 @@ the few calls a step needs, so both systems run exactly the same loop:
 
 Modes: "push+pull" pushes every key, then pulls every key (MXNet's pattern:
 push is asynchronous, pull is queued after it); "pushpull" is one call that
-pushes and pulls the whole list.
+pushes and pulls the whole list; "pushpull-each" calls pushpull once per key
+(Gluon's Trainer since MXNet 1.6), blocking in kvps, and "pushpull-each-async"
+the same with async_op=True, then waits for them all (kvps only: MXNet's calls
+are asynchronous anyway, and its "pushpull-each" is the baseline of both).
 
 This module uses the standard library only: mxnet_worker.py imports it as a
 plain module from its own folder under MXNet's Python, where kvps is not installed.
@@ -29,6 +32,8 @@ DEFAULT_SIZES = (KB, 64 * KB, MB, 4 * MB, 16 * MB, 64 * MB)
 QUICK_SIZES = (KB, 64 * KB, MB)
 SWEEP_KEY0 = 0            # sweep sizes use keys 0, 1, ...
 RESNET_KEY0 = 1000        # ResNet-50 tensors use keys 1000..1160
+SMALL_KEY0 = 100000       # the small-keys workload uses keys 100000, 100001, ...
+SMALL_FLOATS = 64         # floats in each of its keys
 TAG = "kvps-bench"        # every result line is a JSON object with "bench": TAG
 
 
@@ -81,14 +86,26 @@ def reps_for(nbytes, quick=False):
     return max(low, min(high, int(volume / nbytes)))
 
 
-# --pattern NAME -> the mode kvps's workers time (MXNet's workers always time "push+pull":
-# for each key push(key, priority=-i), then for each key pull(key, priority=-i))
-PATTERNS = {"mxnet": "push+pull", "list": "list", "pushpull": "pushpull"}
+# --pattern NAME -> the mode kvps's workers time (MXNet's workers time "push+pull": for each key
+# push(key, priority=-i), then for each key pull(key, priority=-i); and "pushpull-each" where
+# kvps times a per-key pushpull)
+PATTERNS = {"mxnet": "push+pull", "list": "list", "pushpull": "pushpull", "gluon": "pushpull-each",
+            "gluon-async": "pushpull-each-async"}
+DEFAULT_PATTERNS = ("mxnet", "list", "pushpull")
 KVPS_MODES = ("push+pull", "pushpull")      # what plans without "modes" time (kvps emulate, compare)
+MXNET_BASELINE = {"pushpull-each": "pushpull-each", "pushpull-each-async": "pushpull-each"}  # else push+pull
 
 
-def make_plan(sizes=DEFAULT_SIZES, resnet_steps=10, quick=False, kvtype="dist_sync", modes=None):
-    """What every worker of both systems runs, as a JSON-able dict."""
+def mxnet_modes(modes):
+    """The modes MXNet's workers time for a plan whose kvps modes are `modes`: their baselines."""
+    return tuple(dict.fromkeys(["push+pull"] + [MXNET_BASELINE[m] for m in modes or () if m in MXNET_BASELINE]))
+
+
+def make_plan(sizes=DEFAULT_SIZES, resnet_steps=10, quick=False, kvtype="dist_sync", modes=None, small_keys=0,
+              small_steps=5):
+    """What every worker of both systems runs, as a JSON-able dict. `small_keys`: also time a step
+    over that many keys of SMALL_FLOATS floats each (the per-key calls of a model with many small
+    tensors), `small_steps` times."""
     return {
         "kvtype": kvtype,
         "modes": list(modes or KVPS_MODES),
@@ -96,6 +113,8 @@ def make_plan(sizes=DEFAULT_SIZES, resnet_steps=10, quick=False, kvtype="dist_sy
         "sweep": [{"bytes": n, "key": SWEEP_KEY0 + i, "reps": reps_for(n, quick)} for i, n in enumerate(sizes)],
         "resnet": {"steps": resnet_steps, "warmup": 1 if quick else 2, "key0": RESNET_KEY0,
                    "shapes": [list(s) for s in resnet50_shapes()]} if resnet_steps > 0 else None,
+        "small": {"steps": small_steps, "warmup": 1 if quick else 2, "key0": SMALL_KEY0,
+                  "shapes": [[SMALL_FLOATS]] * small_keys} if small_keys > 0 else None,
     }
 
 
@@ -149,20 +168,21 @@ def run(plan, peer, out=None):
             times = timed(peer.step(mode, [key], grads, outs), plan["warmup"], item["reps"], peer.barrier)
             emit(workload="round", mode=mode, bytes=n, **summary(times, n))
 
-    resnet = plan.get("resnet")
-    if resnet:
-        shapes = [tuple(s) for s in resnet["shapes"]]
-        keys = [resnet["key0"] + i for i in range(len(shapes))]
+    for workload, step_set in (("resnet50", plan.get("resnet")), ("keys", plan.get("small"))):
+        if not step_set:
+            continue
+        shapes = [tuple(s) for s in step_set["shapes"]]
+        keys = [step_set["key0"] + i for i in range(len(shapes))]
         nbytes = 4 * sum(math.prod(s) for s in shapes)
         peer.init(keys, [peer.zeros(s) for s in shapes])
         grads, outs = [peer.ones(s) for s in shapes], [peer.zeros(s) for s in shapes]
         traffic = getattr(peer, "traffic", None) if plan.get("traffic") else None
         for mode in peer.modes:
             extra = {"calls": plan["calls"]} if plan.get("calls") else {}
-            times = timed(peer.step(mode, keys, grads, outs), resnet["warmup"], resnet["steps"], peer.barrier,
+            times = timed(peer.step(mode, keys, grads, outs), step_set["warmup"], step_set["steps"], peer.barrier,
                           traffic)
             if traffic is not None:     # the servers' bytes in and out per timed step, every worker's
                 times, moved = times
-                extra["server_bytes"] = moved / resnet["steps"]
-            emit(workload="resnet50", mode=mode, bytes=nbytes, tensors=len(shapes), **summary(times, nbytes), **extra)
+                extra["server_bytes"] = moved / step_set["steps"]
+            emit(workload=workload, mode=mode, bytes=nbytes, tensors=len(shapes), **summary(times, nbytes), **extra)
     peer.barrier()
