@@ -3,6 +3,8 @@ made one key at a time (Horovod's per-tensor allreduce_async_, a Gluon-style per
 asynchronous) go as one request, with the results of calls sent one by one (KVPS_COALESCE_US=0);
 a call that waits in a batch completes however the script waits for it; and a blocking per-key
 pushpull loop is told, once, how to overlap its calls."""
+import time
+
 import pytest
 
 pytestmark = pytest.mark.cluster
@@ -155,3 +157,31 @@ def test_a_blocking_per_key_pushpull_loop_is_told_once_how_to_overlap(cluster):
         assert out["listed"] == 0 and out["hints"] == 1, out
         assert out["line"] == 13, out           # the pushpull line of the script
         assert "async_op=True" in out["text"] and "wait_all()" in out["text"], out
+
+
+# Never closed, never waited for: W0's last pushpulls wait in a batch as main() returns; W1 waits for
+# its own, whose rounds need W0's. With a delay of 30 s only the kvstore's farewell sends them.
+UNCLOSED = r'''
+import json, numpy as np, kvps
+
+def main():
+    kv = kvps.create("dist_sync")
+    kv.init(list(range(8)), [np.zeros(3, np.float32) for _ in range(8)])
+    outs = [np.zeros(3, np.float32) for _ in range(8)]
+    handles = [kv.pushpull(k, np.full(3, kv.rank + 1.0, np.float32), out=outs[k], async_op=True) for k in range(8)]
+    if kv.rank == 1:
+        for h in handles:
+            h.wait()
+        print(json.dumps({"sums": [float(o.sum()) for o in outs]}), flush=True)
+
+main()
+'''
+
+
+def test_async_pushpulls_waiting_as_an_unclosed_kvstore_goes_are_sent(cluster):
+    c = cluster(2, 1, env={"KVPS_COALESCE_US": "30000000"})
+    start = time.monotonic()
+    results = c.run_workers(UNCLOSED, timeout=60)
+    assert results[1] == [{"sums": [9.0] * 8}], c.logs()
+    assert time.monotonic() - start < 30, c.logs()
+    assert c.wait_daemons() == [0, 0], c.logs()
