@@ -11,7 +11,6 @@ batch. The batch goes as one request per server, on the caller's lane, when
 - any other call of the kvstore comes (a pull, pushpull, barrier, wait_all, close, ...), or a push
   that cannot join (a key already in the batch, another op, a big or async_op push);
 - it would pass KVPS_LANE_BYTES;
-- a push finds it KVPS_COALESCE_US old;
 - nothing at all is called for KVPS_COALESCE_US: then the node's I/O thread sends it through the
   I/O path (once every request its keys wait on is answered, which keeps each key's calls in order).
 
