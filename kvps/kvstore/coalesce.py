@@ -11,8 +11,10 @@ batch. The batch goes as one request per server, on the caller's lane, when
 - any other call of the kvstore comes (a pull, pushpull, barrier, wait_all, close, ...), or a push
   that cannot join (a key already in the batch, another op, a big or async_op push);
 - it would pass KVPS_LANE_BYTES;
-- nothing at all is called for KVPS_COALESCE_US: then the node's I/O thread sends it through the
-  I/O path (once every request its keys wait on is answered, which keeps each key's calls in order).
+- it is KVPS_COALESCE_US old when the node's I/O thread looks, between two calls (it only tries the
+  lock that a call holds): the I/O thread sends it through the I/O path, once every request its keys
+  wait on is answered, which keeps each key's calls in order. So it goes at most about
+  KVPS_COALESCE_US after the script stops calling.
 
 What a push means does not change: a later pull of the key sees it, an error is raised by the next
 call, and a sync round closes once every worker's push is in; a push just leaves later: while the
