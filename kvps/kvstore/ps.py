@@ -125,12 +125,13 @@ class _What:
 class _SoloCalls:
     """Blocking pushpulls of one key each, one after another: each waits for its round trip, where
     MXNet's engine overlaps them (Gluon's Trainer calls pushpull per parameter). After HINT of them in
-    a row, of more than one key, kvps says once how to overlap them."""
+    a row, of more than one key, kvps says once how to overlap them; `quiet`: not here (the workers
+    but the first, which run the same script)."""
     HINT = 64
     __slots__ = ("key", "run", "said")
 
-    def __init__(self):
-        self.key, self.run, self.said = None, 0, False
+    def __init__(self, quiet=False):
+        self.key, self.run, self.said = None, 0, quiet
 
     def note(self, key):
         if self.said:
@@ -203,7 +204,7 @@ class DistKVStore(KVStore):
         self._node.requests.rehome = functools.partial(_rehome_weakly, weakref.ref(self))
         # each key's calls in order across the I/O thread and the lanes (strictly, when resends may reorder)
         self._order = Order(strict=bool(self._node.requests.resend_after))
-        self._solo = _SoloCalls()
+        self._solo = _SoloCalls(quiet=self._node.rank != 0)
         self._lanes = None
         if lanes:
             # (the node outlives this kvstore: what it holds, such as the lanes, must not hold the kvstore)
