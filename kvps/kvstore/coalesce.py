@@ -18,16 +18,18 @@ batch. The batch goes as one request per server, on the caller's lane, when
 
 What a push means does not change: a later pull of the key sees it, an error is raised by the next
 call, and a sync round closes once every worker's push is in; a push just leaves later: while the
-script goes on pushing, and at most about KVPS_COALESCE_US after it stops calling. The first push after any other call goes at once (so a script that pulls
-each key right after pushing it sends as before), and so does every push when KVPS_COALESCE_US
-is 0, or where lanes are off (KVPS_LANE_BYTES=0, resends, injected faults).
+script goes on pushing, and at most about KVPS_COALESCE_US after it stops calling. The first push
+after any other call goes at once (so a script that pulls each key right after pushing it sends as
+before), and so does every push when KVPS_COALESCE_US is 0, or where lanes are off
+(KVPS_LANE_BYTES=0, resends, injected faults).
 
 Small `pushpull(key, ..., async_op=True)` calls of one key each that follow one another (Horovod's
 per-tensor allreduce_async_, or a Gluon-style per-key loop made asynchronous) join a batch of their
 own in the same way, by the same rules, and the batch goes as one PUSHPULL of all their keys through
-the I/O thread. (A call of a list of keys goes as its caller fused it: kvps.torch's buckets.) Such a call returns a Joined handle: waiting on it sends the batch if it has not gone yet,
-then waits for the batch's replies, which fill every call's `out`. A blocking pushpull cannot wait
-in a batch: its `out` is read as soon as it returns.
+the I/O thread. (A call of a list of keys goes as its caller fused it: kvps.torch's buckets.) Such a
+call returns a Joined handle: waiting on it sends the batch if it has not gone yet, then waits for
+the batch's replies, which fill every call's `out`. A blocking pushpull cannot wait in a batch: its
+`out` is read as soon as it returns.
 
     coalesce = Coalescer(delay_s, limit_bytes, later)  # later(s, fn): fn on the I/O thread (Van.call_later)
     with coalesce.lock:                               # a push:
@@ -36,9 +38,10 @@ in a batch: its `out` is read as soon as it returns.
         else: send it now
         coalesce.follows = Op.PUSH                    # any other call sets it None
 
-The kvstore (kvps/kvstore/ps.py) holds `lock` through every push and pushpull and while any other
-call sends the open batch; the I/O thread's check only tries the lock, so it never waits on the
-caller, and a batch exists only between calls or inside a push or pushpull.
+The kvstore (kvps/kvstore/ps.py) holds `lock` through every push and async pushpull, and while any
+other call (or a wait on a Joined handle) sends the open batch; the I/O thread's check only tries
+the lock, so it never waits on the caller, and a batch changes only between calls or inside a push
+or an async pushpull.
 """
 import threading
 import time
