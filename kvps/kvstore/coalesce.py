@@ -23,12 +23,13 @@ after any other call goes at once (so a script that pulls each key right after p
 before), and so does every push when KVPS_COALESCE_US is 0, or where lanes are off
 (KVPS_LANE_BYTES=0, resends, injected faults).
 
-Small `pushpull(key, ..., async_op=True)` calls of one key each that follow one another (Horovod's
-per-tensor allreduce_async_, or a Gluon-style per-key loop made asynchronous) join a batch of their
-own in the same way, by the same rules, and the batch goes as one PUSHPULL of all their keys through
-the I/O thread. (A call of a list of keys goes as its caller fused it: kvps.torch's buckets.) Such a
-call returns a Joined handle: waiting on it sends the batch if it has not gone yet, then waits for
-the batch's replies, which fill every call's `out`. A blocking pushpull cannot wait in a batch: its
+Small `pushpull(key, ..., async_op=True)` calls of one key each (Horovod's per-tensor
+allreduce_async_, or a Gluon-style per-key loop made asynchronous) wait in a batch of their own by the
+same rules, the first of them too: nothing reads an async call's `out` before waiting for it. The
+batch goes as one PUSHPULL of all their keys, through the I/O thread. (A call of a list of keys goes
+as its caller fused it: kvps.torch's buckets.) Such a call returns a Joined handle: waiting on it
+(or wait_all()) sends the batch if it has not gone yet, on the waiting thread's lane, whose replies
+that wait reads; then it waits for the batch's replies, which fill every call's `out`. A blocking pushpull cannot wait in a batch: its
 `out` is read as soon as it returns.
 
     coalesce = Coalescer(delay_s, limit_bytes, later)  # later(s, fn): fn on the I/O thread (Van.call_later)
@@ -92,7 +93,7 @@ class Coalescer:
         self._later = later
         self.lock = threading.RLock()       # held by the kvstore through each call, tried by the I/O thread
         self.batch = None
-        self.follows = None                 # Op.PUSH or Op.PUSHPULL: the last call could wait, so this one may
+        self.follows = None                 # Op.PUSH: the last call was a push, so a small push now may wait
 
     def fits(self, op, keys, nbytes, call=Op.PUSH):
         """Whether a call can join the open batch (True when none is open)."""
@@ -164,7 +165,7 @@ class Joined:
         if batch.handle is None:
             with self._lock:
                 if batch.handle is None and batch.send is not None:
-                    batch.send(False)
+                    batch.send(False, waited=True)
         batch.handle.wait(timeout)
         return self
 

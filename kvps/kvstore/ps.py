@@ -676,12 +676,14 @@ class DistKVStore(KVStore):
         if self._coalesce is not None and self._coalesce.batch is not None:
             self._send_batch(False)
 
-    def _send_batch(self, late):
+    def _send_batch(self, late, waited=False):
         """Send the open batch as one call; returns whether it went. `late`: on the I/O thread
         (Coalescer.check), through the I/O path, and only if no earlier request naming its keys must
-        be answered first (kvps/kvstore/order.py); else on this thread's lane where it may take one.
-        A failure of a batch of pushes fails its handle, which the next call raises (and a pull of
-        its keys); a batch of async pushpulls fails their handle, which their waits raise."""
+        be answered first (kvps/kvstore/order.py); else on this thread's lane where it may take one
+        (async pushpulls: only when `waited`, by a wait on one of their handles, which then reads
+        the replies on this thread). A failure of a batch of pushes fails its handle, which the
+        next call raises (and a pull of its keys); a batch of async pushpulls fails their handle,
+        which their waits raise."""
         coalesce = self._coalesce
         batch = coalesce.batch
         if batch is None:
@@ -690,7 +692,7 @@ class DistKVStore(KVStore):
             return False
         coalesce.take()
         if batch.call == Op.PUSHPULL:
-            return self._send_pushpulls(batch, late)
+            return self._send_pushpulls(batch, late, waited)
         what = self._what("push", batch.items)
         stash = batch.stash
         try:
@@ -710,14 +712,19 @@ class DistKVStore(KVStore):
             self._copies[key] = (array, handle)
         return True
 
-    def _send_pushpulls(self, batch, late):
-        """Send a batch of async pushpulls as one (through the I/O thread, as any async call)."""
+    def _send_pushpulls(self, batch, late, waited):
+        """Send a batch of async pushpulls as one: through the I/O thread, as any async call, unless
+        a wait on one of them sends it (`waited`): then on this thread's lane, whose replies that
+        wait reads itself (a lane's replies are read only by a thread that waits or polls on it)."""
         what = self._what("pushpull", batch.items)
+        lane = None if late else _AUTO
+        if waited:
+            lane = self._route(Op.PUSHPULL, batch.keys, batch.messages.nbytes, None)
         try:
             batch.handle = self._send(Op.PUSHPULL, what, batch.messages, on_reply=self._filler(batch.outs),
                                       keep=(batch.items, batch.outs, batch.messages), async_op=True,
                                       then=_finishers(batch.outs), priority=batch.priority,
-                                      lane=None if late else _AUTO, call=Op.PUSHPULL, starts=batch.starts)
+                                      lane=lane, call=Op.PUSHPULL, starts=batch.starts)
         except Exception as exc:
             batch.handle = Handle.failed(what, exc)
             remember(self._pending, batch.handle)
@@ -802,7 +809,7 @@ class DistKVStore(KVStore):
     def pushpull(self, key, value, out=None, priority=0, async_op=False):
         """Push `value` and fill `out` (default: `value`) with the round's result. Blocking, `out`
         is complete when it returns; with async_op=True it returns a handle at once, and a small one
-        that follows another may wait to go with the next ones (kvps/kvstore/coalesce.py)."""
+        of one key may wait to go with the next ones (kvps/kvstore/coalesce.py)."""
         if not async_op:
             self._solo.note(key)
         coalesce = self._coalesce
@@ -815,15 +822,14 @@ class DistKVStore(KVStore):
             # (outside the lock: a blocking call waits for its round, which another thread's call may close)
             return self._pushpull(key, value, out, priority, async_op)
         # a call of one key may join (a list is a fusion its caller chose: kvps.torch's buckets)
-        single = not isinstance(key, (list, tuple))
+        joins = not isinstance(key, (list, tuple))
         with coalesce.lock:
-            joins = single and coalesce.follows == Op.PUSHPULL
             coalesce.follows = None
             if not joins:
                 self._send_open()
-            return self._pushpull(key, value, out, priority, async_op, joins, single)
+            return self._pushpull(key, value, out, priority, async_op, joins)
 
-    def _pushpull(self, key, value, out, priority, async_op, joins=False, single=False):
+    def _pushpull(self, key, value, out, priority, async_op, joins=False):
         start = time.time()
         values = self._values(key, value, "pushpull")
         keys = [info.key for info, _ in values]
@@ -832,12 +838,10 @@ class DistKVStore(KVStore):
         self._forget(keys)
         self._straggle(values)
         outs = self._outs(key, value if out is None else out, "pushpull")
-        coalesce = self._coalesce
-        if single and coalesce is not None and async_op is True and \
-                sum(a.nbytes for _, a in values) <= coalesce.limit:
-            if joins:
+        if joins:               # an async call of one key: a small one waits in a batch
+            if sum(a.nbytes for _, a in values) <= self._coalesce.limit:
                 return self._join(values, outs, keys, priority, start)
-            coalesce.follows = Op.PUSHPULL        # the next small one may wait
+            self._send_open()   # a big one goes now, after what waits
         messages = self._with_values(values, self._codec, self._shareable(values, self._codec), replies=True)
         return self._send(Op.PUSHPULL, self._what("pushpull", values), messages,
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
@@ -862,7 +866,6 @@ class DistKVStore(KVStore):
         batch.add(values, priority, start)
         batch.outs.extend(outs)
         joined = Joined(batch, what, coalesce.lock)
-        coalesce.follows = Op.PUSHPULL
         if batch.nbytes >= coalesce.limit:
             self._send_open()
         return joined
@@ -1067,7 +1070,16 @@ class DistKVStore(KVStore):
             self._checkpoints.load(self.cfg.resume, infos, "all")
         self._node.barrier("workers")
 
-    wait_all = _after_pushes(KVStore.wait_all)
+    def wait_all(self, timeout=None):
+        """Wait for every asynchronous call and every push that returned early (the open batch goes
+        first: a batch of async pushpulls on this thread's lane, whose replies this wait reads)."""
+        coalesce = self._coalesce
+        if coalesce is not None:
+            with coalesce.lock:
+                coalesce.follows = None
+                if coalesce.batch is not None:
+                    self._send_batch(False, waited=True)
+        return KVStore.wait_all(self, timeout)
 
     @_after_pushes
     def close(self):

@@ -126,8 +126,8 @@ def test_waiting_on_a_joined_call_sends_its_batch_once_then_waits_for_the_batch(
     batch = batch_of(Op.PUSHPULL, [1, 2], call=Op.PUSHPULL)
     sent = []
 
-    def send(late):
-        sent.append(late)
+    def send(late, waited=False):
+        sent.append((late, waited))
         c.take()
         batch.handle = Handle.completed("pushpull of keys 1, 2")
         return True
@@ -135,10 +135,10 @@ def test_waiting_on_a_joined_call_sends_its_batch_once_then_waits_for_the_batch(
     first, second = Joined(batch, "pushpull of key 1", c.lock), Joined(batch, "pushpull of key 2", c.lock)
     assert not first.done() and not first.succeeded()       # done() only looks: nothing is sent
     assert sent == []
-    assert first.wait() is first and sent == [False] and c.batch is None
+    assert first.wait() is first and sent == [(False, True)] and c.batch is None     # sent by a wait
     assert second.done() and second.succeeded()
     second.wait()
-    assert sent == [False]                                  # sent once, for both
+    assert sent == [(False, True)]                          # sent once, for both
 
 
 def test_a_joined_call_raises_its_batchs_error():
