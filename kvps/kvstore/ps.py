@@ -157,11 +157,7 @@ def _after_pushes(method):
     (kvps/kvstore/coalesce.py)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        coalesce = self._coalesce
-        if coalesce is not None:
-            with coalesce.lock:
-                coalesce.follows = None
-                self._send_open()
+        self._flush()
         return method(self, *args, **kwargs)
     return call
 
@@ -671,8 +667,18 @@ class DistKVStore(KVStore):
         if batch.nbytes >= coalesce.limit:
             self._send_open()
 
+    def _flush(self, waited=False):
+        """Before a call that cannot join the open batch: send the batch, if any (`waited`: the call
+        waits for it, see _send_batch), and the next small push goes at once."""
+        coalesce = self._coalesce
+        if coalesce is not None:
+            with coalesce.lock:
+                coalesce.follows = None
+                if coalesce.batch is not None:
+                    self._send_batch(False, waited)
+
     def _send_open(self):
-        """Send the open batch of pushes, if any (before a call that is not a push joining it)."""
+        """Send the open batch, if any (with the lock held: before a call that cannot join it)."""
         if self._coalesce is not None and self._coalesce.batch is not None:
             self._send_batch(False)
 
@@ -813,24 +819,18 @@ class DistKVStore(KVStore):
         if not async_op:
             self._solo.note(key)
         coalesce = self._coalesce
-        if coalesce is None:
-            return self._pushpull(key, value, out, priority, async_op)
-        if async_op is not True:
+        if coalesce is not None and async_op is True and not isinstance(key, (list, tuple)):
+            # an async call of one key may wait in a batch (a list is a fusion its caller chose:
+            # kvps.torch's buckets)
             with coalesce.lock:
                 coalesce.follows = None
-                self._send_open()
-            # (outside the lock: a blocking call waits for its round, which another thread's call may close)
-            return self._pushpull(key, value, out, priority, async_op)
-        # a call of one key may join (a list is a fusion its caller chose: kvps.torch's buckets)
-        joins = not isinstance(key, (list, tuple))
-        with coalesce.lock:
-            coalesce.follows = None
-            if not joins:
-                self._send_open()
-            return self._pushpull(key, value, out, priority, async_op, joins)
+                return self._pushpull(key, value, out, priority, async_op, joins=True)
+        self._flush()
+        # (outside the lock: a blocking call waits for its round, which another thread's call may close)
+        return self._pushpull(key, value, out, priority, async_op)
 
     def _pushpull(self, key, value, out, priority, async_op, joins=False):
-        start = time.time()
+        start = time.time() if joins else None
         values = self._values(key, value, "pushpull")
         keys = [info.key for info, _ in values]
         if self._checkpoints.every:
@@ -839,21 +839,21 @@ class DistKVStore(KVStore):
         self._straggle(values)
         outs = self._outs(key, value if out is None else out, "pushpull")
         if joins:               # an async call of one key: a small one waits in a batch
-            if sum(a.nbytes for _, a in values) <= self._coalesce.limit:
-                return self._join(values, outs, keys, priority, start)
+            nbytes = sum(a.nbytes for _, a in values)
+            if nbytes <= self._coalesce.limit:
+                return self._join(values, outs, keys, nbytes, priority, start)
             self._send_open()   # a big one goes now, after what waits
         messages = self._with_values(values, self._codec, self._shareable(values, self._codec), replies=True)
         return self._send(Op.PUSHPULL, self._what("pushpull", values), messages,
                           on_reply=self._filler(outs), keep=(values, outs, messages), async_op=async_op,
                           then=_finishers(outs), priority=priority)
 
-    def _join(self, values, outs, keys, priority, start):
+    def _join(self, values, outs, keys, nbytes, priority, start):
         """Add a small async pushpull to the open batch of them (opened here if none is); its handle."""
         what = self._what("pushpull", values)
         _check_priority(priority, what)
         self._check_returned()
         coalesce = self._coalesce
-        nbytes = sum(a.nbytes for _, a in values)
         if not coalesce.fits(Op.PUSHPULL, keys, nbytes, call=Op.PUSHPULL):
             self._send_open()
         batch = coalesce.batch
@@ -1073,12 +1073,7 @@ class DistKVStore(KVStore):
     def wait_all(self, timeout=None):
         """Wait for every asynchronous call and every push that returned early (the open batch goes
         first: a batch of async pushpulls on this thread's lane, whose replies this wait reads)."""
-        coalesce = self._coalesce
-        if coalesce is not None:
-            with coalesce.lock:
-                coalesce.follows = None
-                if coalesce.batch is not None:
-                    self._send_batch(False, waited=True)
+        self._flush(waited=True)
         return KVStore.wait_all(self, timeout)
 
     @_after_pushes
