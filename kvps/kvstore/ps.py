@@ -992,13 +992,23 @@ class DistKVStore(KVStore):
     # ---- checkpoints (kvps/kvstore/checkpointer.py; docs/checkpoint.md) ----
     @_after_pushes
     def save(self, path, dump_optimizer=False):
-        """Collective: write every key's value, the servers' optimizer state and the round/clock
-        counters to the directory `path` (on a file system every node shares), then a manifest.
-        Every worker calls it; it returns once the checkpoint is whole. A half-written checkpoint
-        is never taken for a whole one, and an earlier one in `path` stays valid until the new
-        one replaces it. Raises on worker 0 (which sends the requests) what went wrong."""
+        """Write every key's value, the servers' optimizer state and the round/clock counters to
+        the directory `path` (on a file system every node shares), then a manifest; return once
+        the checkpoint is whole. A half-written checkpoint is never taken for a whole one, and an
+        earlier one in `path` stays valid until the new one replaces it.
+
+        dist_sync: every worker may call it, or only one (`if kv.rank == 0:`, as MXNet and Horovod
+        scripts save): the checkpoint is the state after the caller's last step either way, and the
+        servers write it once however many workers ask (docs/checkpoint.md). Other modes: a
+        collective, which every worker calls (their rounds do not wait for the caller, so only a
+        barrier makes the cut exact); worker 0 sends the requests and raises what went wrong."""
         self.wait_all()
         self._checkpoints.wait()
+        if self.consistency.wire() == "sync":
+            # No round closes without this worker's next push, so the servers' state stays that of
+            # its last step while they write it (hold: without a copy), whoever else is pushing.
+            self._checkpoints.start_save(path, self._checkpoints.step or None, dump_optimizer, hold=True)()
+            return
         self._node.barrier("workers")
         error = None
         if self.rank == 0:

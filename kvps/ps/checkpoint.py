@@ -124,6 +124,14 @@ def _atomic_write(directory, name, chunks):
 
 
 # ---- shards (one per server) ----
+def generation(changes, records):
+    """The state that records (Store.export) hold, in brief: two exports of one store with equal
+    generations hold the same state, since every change to a value or to optimizer state steps its
+    slot's version or the store's `changes`. A server that finds the generation of the shard it last
+    wrote to a place need not write it again (every worker calling kv.save at one step boundary)."""
+    return changes, tuple((r["key"], r["part"], r["version"], tuple(r["pushes"]), tuple(r["seen"])) for r in records)
+
+
 def write_shard(directory, name, tensors, slots):
     """Write one server's shard atomically. `tensors`: [(tensor name, ndarray)]; `slots`: JSON-able
     records (kvps/ps/store.py's export) that name their tensors. Returns the manifest's entry

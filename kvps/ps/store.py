@@ -186,6 +186,9 @@ class Store:
         self.rule = None
         self.restored, self.restored_from = {}, None   # loaded optimizer state waiting for set_rule
         self.slots = {}
+        # state changes that leave every slot's version as it was (an init, a rule set, a restore):
+        # part of the generation a checkpoint records (export)
+        self.changes = 0
         # KVPS_SERVER_THREADS > 1: a kvps.ps.pool.MergePool that merges big sync rounds beside the I/O
         # thread; None: every round is merged inline
         self.pool = None
@@ -268,6 +271,7 @@ class Store:
             raise KVValueError(f"{slot.name()}: an init value of {given.size} elements for shape {slot.shape}")
         slot.value = self._fresh(slot)
         np.copyto(slot.value, given.reshape(slot.shape), casting="unsafe")
+        self.changes += 1
         done(None)
         waiters, slot.init_waiters = slot.init_waiters, []
         for _, w_dtype, w_shape, w_done in waiters:
@@ -292,6 +296,7 @@ class Store:
             rule.restore_all(self.restored, self.restored_from)
             self.restored, self.restored_from = {}, None
         self.rule = rule
+        self.changes += 1
 
     def push(self, worker, key, part, array, done, rows=None):
         """`rows`: the local row ids (sorted, unique int64) of a row-sparse push, whose `array`
@@ -848,6 +853,7 @@ class Store:
         "pushes", "seen"} as saved), its round/clock counters. With `same_clocks` False (the job
         that saved had other workers or another mode) every worker starts level at the saved version."""
         self.quiesce()
+        self.changes += 1
         if value is not None:
             self._retire(slot)
             if slot.merge is not None and self.shared is not None and self.shared(slot.merge):
@@ -867,6 +873,7 @@ class Store:
         or, when none is set yet, kept for the next set_rule. `source` (the checkpoint's path and
         the name of the optimizer that saved) goes into the errors of a rule that does not fit."""
         self.quiesce()
+        self.changes += 1
         if self.rule is not None:
             self.rule.restore_all(states, source)
         else:

@@ -458,12 +458,15 @@ SCHEMA = {
     Op.JOIN: Message("worker -> server", "this worker has no more data: count it as pushing zeros; answered with ACK"),
     Op.ROW_SPARSE_PUSH: Message("worker -> server", "entries in pairs per (key, part): int64 row ids local to the "
                                                     "part, then those rows; answered with ACK", dict(_REPLICATED)),
-    Op.SAVE: Message("W0 -> server", "checkpoint: copy every key's value, optimizer state and counters now, then "
-                                     "write them as one shard file on a background thread; answered with ACK "
-                                     "(file, bytes, checksum) once the file is durable (docs/checkpoint.md)", {
+    Op.SAVE: Message("worker -> server", "checkpoint: copy every key's value, optimizer state and counters now, "
+                                         "then write them as one shard file on a background thread; answered with "
+                                         "ACK (file, bytes, checksum) once the file is durable, or at once with the "
+                                         "shard last written to the same path when nothing changed since "
+                                         "(docs/checkpoint.md)", {
         "path": Field(STR, "the checkpoint directory (the same file system for every node)"),
         "save": Field(STR, "this save's id: the shard is <save>.S<rank>.safetensors"),
-        "hold": Field(BOOL, "every worker waits for this save (kv.save): write the live state, holding back "
+        "hold": Field(BOOL, "no update can come before this save is written (kv.save): write the live state, "
+                            "holding back "
                             "requests that would change it until written, instead of copying it first",
                       required=False),
         "home": Field(INT, "KVPS_REPLICAS: save the ranges of this home rank (the shard is named after it)",

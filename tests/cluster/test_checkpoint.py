@@ -2,7 +2,8 @@
 rate schedule, which goes on from the saved update counts) saves, is killed
 whole, and resumes with another number of servers, ending bit for bit where a job that never
 stopped ends; so does one resumed from its periodic checkpoint; MXNet's save_optimizer_states /
-load_optimizer_states work in dist mode; a truncated, corrupt, incomplete or mismatched checkpoint
+load_optimizer_states work in dist mode; in dist_sync kv.save works called by worker 0 alone (as
+MXNet and Horovod scripts save) or by every worker (one write per server); a truncated, corrupt, incomplete or mismatched checkpoint
 is refused, naming the file and what is wrong, and the job goes on."""
 import json
 
@@ -226,3 +227,56 @@ def test_periodic_checkpoint_is_taken_at_its_step_boundary(cluster, tmp_path):
     assert step in (2, 4), step
     ((line,), _) = cluster(2, 2, env=dict(ENV, KVPS_RESUME=str(periodic))).run_workers(RESUMED, timeout=60)
     assert line["resumed"] == seen[str(step)], (step, seen)
+
+
+ONE_OR_EVERY = r"""
+import hashlib, json, os, numpy as np, kvps
+
+def digest(outs):
+    return hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()
+
+def main():
+    kv = kvps.create("dist_sync")           # made in main() and never closed, as MXNet scripts do
+    keys = list(range(6))
+    kv.init(keys, [np.zeros(50 * (k + 1), np.float32) for k in keys])
+    kv.set_optimizer(kvps.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    outs = [np.zeros(50 * (k + 1), np.float32) for k in keys]
+    start = int(os.environ.get("START", "0"))
+    if start:                               # resumed (KVPS_RESUME): the saved weights first
+        kv.pull(keys, out=outs)
+        print(json.dumps({"resumed": digest(outs)}), flush=True)
+    seen = {}
+    for step in range(start, 6):
+        seen[step] = digest(outs)
+        if step == 2 and kv.rank == 0 and not start:
+            kv.save(os.environ["ONE"])      # worker 0 alone, while the other pushes on
+        if step == 4 and not start:
+            kv.save(os.environ["EVERY"])    # every worker
+        for k in keys:                      # MXNet's per-key loops
+            kv.push(k, np.full(50 * (k + 1), step + 1.0 + kv.rank, np.float32), priority=-k)
+        for k in keys:
+            kv.pull(k, out=outs[k], priority=-k)
+    print(json.dumps({"seen": seen, "final": digest(outs)}), flush=True)
+
+main()
+"""
+
+
+def test_dist_sync_save_by_worker_0_alone_or_by_every_worker(cluster, tmp_path):
+    """MXNet and Horovod scripts save under `if rank == 0`: in dist_sync kv.save needs no other worker
+    (their rounds wait for the saver), and is the state after the saver's step; every worker saving
+    at one step boundary writes each shard once."""
+    one, every = tmp_path / "one", tmp_path / "every"
+    job = cluster(2, 2, env=dict(ENV, KVPS_LOG_LEVEL="INFO"))
+    out = job.run_workers(ONE_OR_EVERY, timeout=90, env={"ONE": str(one), "EVERY": str(every)})
+    (line0,), (line1,) = out
+    assert line0["final"] == line1["final"] and line0["seen"] == line1["seen"], out
+    for s in range(2):
+        wrote = [line for line in (job.dir / f"S{s}.err").read_text().splitlines() if ": wrote save-" in line]
+        assert len(wrote) == 2, wrote           # one shard for each checkpoint, though two workers saved
+    for path, step in ((one, 2), (every, 4)):
+        resumed = cluster(2, 1, env=dict(ENV, KVPS_RESUME=str(path))).run_workers(
+            ONE_OR_EVERY, timeout=90, env={"START": str(step)})
+        for lines in resumed:
+            assert lines[0]["resumed"] == line0["seen"][str(step)], (path, lines)
+            assert lines[1]["final"] == line0["final"], (path, lines)    # the momentum was saved too

@@ -253,6 +253,30 @@ def test_pushes_of_an_open_round_are_not_saved(tmp_path):
     assert record["version"] == 1 and record["pushes"] == [(0, 1), (1, 1)]
 
 
+def test_generation_changes_with_the_state_and_only_with_it():
+    """Every worker of a dist_sync job saving at one step boundary gets one write per server: the
+    generation stays while pushes only wait in the next round, and moves with a closed round, a
+    restore and a new optimizer."""
+    store = Store(2, "sync")
+    store.init(0, "w", 0, np.float32, (4,), np.zeros(4, np.float32), lambda r: None)
+
+    def generation():
+        return checkpoint.generation(store.changes, store.export(copy=False))
+    for w in (0, 1):
+        store.push(w, "w", 0, np.ones(4, np.float32), lambda r: None)
+    first = generation()
+    store.push(0, "w", 0, np.ones(4, np.float32), lambda r: None)      # W0 saved and pushes on
+    assert generation() == first
+    store.push(1, "w", 0, np.ones(4, np.float32), lambda r: None)      # the round closes
+    after = generation()
+    assert after != first
+    store.restore(store.slots[("w", 0)], np.full(4, 7.0, np.float32))   # a load: same counters
+    assert generation() != after
+    restored = generation()
+    store.set_rule(Registry().create({"name": "sgd", "learning_rate": 0.1, "momentum": 0.9}))
+    assert generation() != restored
+
+
 def test_shards_read_by_the_safetensors_library(tmp_path):
     """Where safetensors is installed (it is no dependency of kvps), it reads a shard as written."""
     st = pytest.importorskip("safetensors.numpy")
