@@ -46,6 +46,7 @@ SHM_MESSAGES = 16     # a message to a server through shared memory carries 16x 
 LANE_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL, Op.ROW_SPARSE_PUSH, Op.ROW_SPARSE_PULL})
 DATA_OPS = frozenset({Op.PUSH, Op.PULL, Op.PUSHPULL})     # the requests that tell a server which values were read
 _AUTO = object()      # _send: choose the way (lane or I/O thread) there
+COLLECTIVE_HINT_S = 10.0      # a collective waiting this long for the other workers says what it waits for
 
 
 class Messages:
@@ -1009,7 +1010,7 @@ class DistKVStore(KVStore):
             # its last step while they write it (hold: without a copy), whoever else is pushing.
             self._checkpoints.start_save(path, self._checkpoints.step or None, dump_optimizer, hold=True)()
             return
-        self._node.barrier("workers")
+        self._gather("kv.save")
         error = None
         if self.rank == 0:
             try:
@@ -1020,6 +1021,26 @@ class DistKVStore(KVStore):
         self._node.barrier("workers")
         if error is not None:
             raise error
+
+    def _gather(self, call):
+        """The first barrier of a collective `call`: every worker must make it. One still waiting
+        after COLLECTIVE_HINT_S (or half of KVPS_TIMEOUT) says so, once, naming the call (a script
+        that makes it under `if kv.rank == 0:` would otherwise wait without a word until
+        KVPS_TIMEOUT), and fails at KVPS_TIMEOUT with an error that names it too."""
+        handle = self._node.barrier_async("workers")
+        hint = min(COLLECTIVE_HINT_S, self.cfg.timeout / 2)
+        try:
+            handle.wait(hint)
+        except KVTimeoutError:
+            log.warning("W%d: %s has waited %g s for the other workers: in a %s job it is a collective, which "
+                        "every worker calls (docs/checkpoint.md); waiting up to KVPS_TIMEOUT (%g s)", self.rank,
+                        call, hint, self.consistency.wire(), self.cfg.timeout)
+            try:
+                handle.wait(self.cfg.timeout - hint)
+            except KVTimeoutError:
+                raise KVTimeoutError(f"W{self.rank}: {call} waited {self.cfg.timeout:g} s (KVPS_TIMEOUT) for the "
+                                     f"other workers to call it too: in a {self.consistency.wire()} job it is "
+                                     f"a collective, which every worker calls") from None
 
     @_after_pushes
     def load(self, path, optimizer_states=True):
@@ -1033,7 +1054,7 @@ class DistKVStore(KVStore):
         self._checkpoints.wait()
         self._checkpoints.check(path, infos)
         self._forget([info.key for info in infos])
-        self._node.barrier("workers")
+        self._gather("kv.load")
         error = None
         if self.rank == 0:
             try:

@@ -3,7 +3,8 @@ rate schedule, which goes on from the saved update counts) saves, is killed
 whole, and resumes with another number of servers, ending bit for bit where a job that never
 stopped ends; so does one resumed from its periodic checkpoint; MXNet's save_optimizer_states /
 load_optimizer_states work in dist mode; in dist_sync kv.save works called by worker 0 alone (as
-MXNet and Horovod scripts save) or by every worker (one write per server); a truncated, corrupt, incomplete or mismatched checkpoint
+MXNet and Horovod scripts save) or by every worker (one write per server), and kv.load made by one
+worker alone says what it waits for and fails naming it; a truncated, corrupt, incomplete or mismatched checkpoint
 is refused, naming the file and what is wrong, and the job goes on."""
 import json
 
@@ -280,3 +281,27 @@ def test_dist_sync_save_by_worker_0_alone_or_by_every_worker(cluster, tmp_path):
         for lines in resumed:
             assert lines[0]["resumed"] == line0["seen"][str(step)], (path, lines)
             assert lines[1]["final"] == line0["final"], (path, lines)    # the momentum was saved too
+
+
+LOAD_ALONE = r"""
+import os, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init(0, np.ones(10, np.float32))
+kv.save(os.environ["CKPT"])
+a = np.zeros(10, np.float32)
+for step in range(3):
+    kv.push(0, a)
+    kv.pull(0, out=a)
+    if step == 1 and kv.rank == 0:
+        kv.load(os.environ["CKPT"])         # a collective, made by worker 0 alone
+"""
+
+
+def test_a_collective_made_by_one_worker_says_so_and_fails_naming_it(cluster, tmp_path):
+    job = cluster(2, 1)
+    procs = job.spawn_workers(LOAD_ALONE, env={"CKPT": str(tmp_path / "ck"), "KVPS_TIMEOUT": "4"})
+    job.wait(procs, 60)
+    assert [p.returncode for p in procs] == [1, 1], job.logs()
+    w0 = (job.dir / "W0.err").read_text()
+    assert "W0: kv.load has waited 2 s for the other workers: in a sync job it is a collective" in w0, w0
+    assert "KVTimeoutError: W0: kv.load waited 4 s (KVPS_TIMEOUT) for the other workers to call it too" in w0, w0
