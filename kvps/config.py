@@ -38,6 +38,8 @@ VARIABLES = (
     Var("KVPS_CONNECT_TIMEOUT", 120.0, float, "seconds to wait for all nodes to register with the scheduler"),
     Var("KVPS_HEARTBEAT_INTERVAL", 1.0, float, "seconds between heartbeats to the scheduler"),
     Var("KVPS_HEARTBEAT_TIMEOUT", 10.0, float, "seconds of silence after which a node is declared dead"),
+    Var("KVPS_STALL_WARNING", 60.0, float, "seconds a sync round may wait for live workers before its server "
+                                           "names them and the keys they hold up (Horovod's stall check; 0: never)"),
     Var("KVPS_BIGARRAY_BOUND", 250_000, int, "arrays with at least this many elements are split over all servers "
                                            "(MXNet's default is 1,000,000; smaller spreads the load evenly)", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
     Var("KVPS_PARTITION_BYTES", 4 << 20, int, "a split array is cut into parts of at most this size (0: one part "
@@ -171,6 +173,7 @@ class Config:
     connect_timeout: float = _default("connect_timeout")
     heartbeat_interval: float = _default("heartbeat_interval")
     heartbeat_timeout: float = _default("heartbeat_timeout")
+    stall_warning: float = _default("stall_warning")
     bigarray_bound: int = _default("bigarray_bound")
     partition_bytes: int = _default("partition_bytes")
     message_bytes: int = _default("message_bytes")

@@ -56,6 +56,7 @@ from kvps.wire.membership import SCHEDULER
 from server import handover
 from server.reads import Hold, Reads
 from server.replication import Chain
+from server.stalls import Stalls
 
 log = logging.getLogger("kvps.server")
 
@@ -275,6 +276,9 @@ class Server(Node):
                      f", {self.cfg.server_threads} merge threads" if self.store.pool is not None else "")
             if self.telemetry is not None:
                 self.store.observer = self.telemetry
+            if self.cfg.stall_warning > 0 and self.store.mode == "sync":
+                stalls = Stalls(self.store, self.name, self.cfg.stall_warning)
+                self.van.every(stalls.interval, stalls.check)
             if self.chain is not None and self.cfg.replicas == 1 and not self.cfg.elastic and self.store.mode == "sync":
                 # copies without values, one sum a round (server/replication.py)
                 self.chain.defer = self.store.deferring = True

@@ -89,6 +89,11 @@ class Clocks:
             done = done | self.removed | self.late.get(slot.id, frozenset())
         return len(done) >= self.num_workers - self.consistency.backup
 
+    def missing(self, slot):
+        """The workers the open round of `slot` still waits for (sorted ranks)."""
+        done = slot.in_round | self.joined | self.removed | self.late.get(slot.id, frozenset())
+        return [w for w in range(self.num_workers) if w not in done]
+
     def sits_out(self, slot, worker):
         """Elastic: True for a worker added while this slot's open round was under way."""
         return bool(self.late) and worker in self.late.get(slot.id, ())

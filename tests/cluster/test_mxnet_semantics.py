@@ -1,7 +1,8 @@
 """MXNet scripts run unchanged on real jobs: a kvstore never closed still leaves the job at once, a
 push returns before its round closes yet overwriting the pushed array changes nothing, errors of
 returned calls are raised by the next call, per-key push loops then pull loops give the right
-values (pulled ahead), row-sparse pushes sum rows and update only them, and MXNet's names work."""
+values (pulled ahead), row-sparse pushes sum rows and update only them, MXNet's names work, and a
+round held up by a live worker is named by its server (the stall check) while the job goes on."""
 import json
 import os
 import subprocess
@@ -333,3 +334,27 @@ def test_calls_of_a_kvstore_never_closed_fail_with_the_jobs_reason_at_exit(tmp_p
     assert proc.returncode != 0 and "can never close" in out, out
     assert "Bad file descriptor" not in out and "failed: 'S0'" not in out, out
     assert elapsed < 45, (elapsed, out)
+
+
+SLOW_WORKER = r"""
+import json, time, numpy as np, kvps
+def main():
+    kv = kvps.create("dist_sync")
+    a = np.ones(8, np.float32)
+    kv.init("w", a)
+    for step in range(3):
+        if step == 1 and kv.rank == 0:
+            time.sleep(3)               # an evaluation on worker 0 only
+        kv.push("w", a)
+        kv.pull("w", out=a)
+    print(json.dumps({"w": float(a[0])}), flush=True)
+main()
+"""
+
+
+def test_a_round_held_up_by_a_live_worker_is_named_by_its_server(cluster):
+    job = cluster(2, 1, env={"KVPS_STALL_WARNING": "1"})
+    out = job.run_workers(SLOW_WORKER, timeout=60)
+    assert [lines[0]["w"] for lines in out] == [8.0, 8.0], out      # doubled three times: the job went on
+    err = (job.dir / "S0.err").read_text()
+    assert "S0: the sync round of key 'w' (round 2) has waited over 1 s for W0 (W1 pushed)" in err, err
