@@ -94,6 +94,12 @@ class Coalescer:
         self.lock = threading.RLock()       # held by the kvstore through each call, tried by the I/O thread
         self.batch = None
         self.follows = None                 # Op.PUSH: the last call was a push, so a small push now may wait
+        # One check at a time is due on the I/O thread: arming one from the caller's thread wakes
+        # that thread (a pipe write and a switch, about 0.1 ms here, as much as a small call), so a
+        # batch opened while one is due waits for it, and a check that finds calls went on since the
+        # last looks again a delay later, from the I/O thread, without waking it.
+        self._armed = False
+        self._opened = False                # a batch was opened since the last check
 
     def fits(self, op, keys, nbytes, call=Op.PUSH):
         """Whether a call can join the open batch (True when none is open)."""
@@ -107,25 +113,33 @@ class Coalescer:
         check holds the batch, so a kvstore dropped with pushes waiting still sends them)."""
         batch.send = send
         self.batch = batch
-        self._later(self.delay, self.check)
+        self._opened = True
+        if not self._armed:
+            self._armed = True
+            self._later(self.delay, self.check)
 
     def check(self):
         """On the I/O thread: send the open batch if it is due and the caller is in no call (which
-        would send it itself); else look again later."""
-        if self.batch is None:
-            return
+        would send it itself); else look again later (while calls go on, though none is open)."""
         if not self.lock.acquire(blocking=False):
             self._later(self.delay, self.check)
             return
         try:
             batch = self.batch
+            opened, self._opened = self._opened, False
             if batch is None:
+                if opened:
+                    self._later(self.delay, self.check)
+                else:
+                    self._armed = False
                 return
             left = self.due(batch)
             if left > 0:
                 self._later(left, self.check)
             elif not batch.send(True):      # a request its keys wait on is not answered yet
                 self._later(self.delay, self.check)
+            else:
+                self._armed = False         # sent: the next batch arms a check of its own
         finally:
             self.lock.release()
 

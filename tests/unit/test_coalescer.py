@@ -81,6 +81,34 @@ def test_the_check_sends_a_due_batch_and_looks_again_at_one_not_due_or_not_ready
     later.run()                                     # nothing open: nothing to do
 
 
+def test_one_check_at_a_time_and_none_once_calls_stop():
+    """Arming a check from the caller's thread wakes the I/O thread (about as dear as a small call):
+    a batch opened while a check is due asks for none; a check that finds no batch open but calls
+    made since looks again (from the I/O thread, no wake-up); once calls stop it stops."""
+    later = Later()
+    c = Coalescer(0.001, limit=1000, later=later)
+
+    def call_and_wait():
+        c.open(batch_of(Op.PUSHPULL, [1], call=Op.PUSHPULL), send=lambda late: True)
+        c.take()                                    # its wait sent it
+    call_and_wait()
+    assert len(later.asked) == 1
+    call_and_wait()
+    call_and_wait()
+    assert len(later.asked) == 1                    # still the first one
+    later.run()                                     # nothing open, but calls went on: again
+    assert len(later.asked) == 1
+    later.run()                                     # no call since: no more checks
+    assert later.asked == []
+    c.open(batch_of(Op.PUSHPULL, [2], call=Op.PUSHPULL), send=lambda late: c.take() is not None)
+    assert len(later.asked) == 1                    # the next batch arms one again
+    time.sleep(0.002)
+    later.run()                                     # due: sent late
+    assert c.batch is None and later.asked == []
+    c.open(batch_of(Op.PUSHPULL, [3], call=Op.PUSHPULL), send=lambda late: True)
+    assert len(later.asked) == 1                    # a late send disarmed it
+
+
 def test_the_check_never_waits_for_a_caller_inside_a_call():
     later, sent = Later(), []
     c = Coalescer(0.0, limit=1000, later=later)
