@@ -126,6 +126,11 @@ def gloo_enabled():
     return True
 
 
+def barrier():
+    """Wait until every worker reaches the barrier (Horovod's hvd.barrier, since 0.23)."""
+    _kv().barrier()
+
+
 def shutdown():
     """Leave the job (close the process's kvstore); a later kvps.torch call starts no new one."""
     if _SESSION.kv is not None:

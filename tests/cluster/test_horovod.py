@@ -50,6 +50,7 @@ counts = hvd.allreduce(torch.tensor([1, hvd.rank()]), op=hvd.Sum)       # unname
 out["counts"] = counts.tolist()
 out["from1"] = hvd.broadcast(torch.full((3,), float(hvd.rank())), root_rank=1).tolist()
 out["object"] = hvd.broadcast_object({"epoch": 3, "rank": hvd.rank()}, root_rank=0)
+hvd.barrier()
 mine = torch.arange(2 + hvd.rank(), dtype=torch.float32).reshape(-1, 1) + 10 * hvd.rank()   # 2 and 3 rows
 out["gathered"] = hvd.allgather(mine, name="rows").reshape(-1).tolist()
 out["gathered_int"] = hvd.allgather(torch.tensor([hvd.rank() + 1], dtype=torch.int8)).tolist()
