@@ -30,7 +30,7 @@ import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstri
 
 from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from kvps.torch.byteps import (declare, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace)
-from kvps.torch.horovod import (Adasum, Average, Compression, Sum, allgather, allgather_object, allreduce,
+from kvps.torch.horovod import (Adasum, Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
                                 allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
                                 broadcast_object, cross_rank, cross_size, gloo_built, gloo_enabled, grouped_allreduce,
                                 grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
@@ -51,7 +51,7 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object", "barrier",
-           "Compression", "Average", "Sum", "Adasum", "nccl_built", "mpi_built", "mpi_enabled",
-           "mpi_threads_supported", "gloo_built", "gloo_enabled", "elastic",
+           "Compression", "Average", "Sum", "Adasum", "Min", "Max", "Product", "nccl_built", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "elastic",
            # BytePS's (kvps/torch/byteps.py): import kvps.torch as bps
            "push_pull", "push_pull_inplace", "push_pull_async", "push_pull_async_inplace", "declare"]

@@ -1,6 +1,6 @@
 """Horovod's process API on kvps, so `import kvps.torch as hvd` runs a horovod.torch script:
 hvd.init(), rank(), size(), local_rank(), local_size(), allreduce, allgather, broadcast,
-broadcast_object, allgather_object, Compression, Average and Sum (DistributedOptimizer, broadcast_parameters,
+broadcast_object, allgather_object, Compression, Average, Sum, Min, Max and Product (DistributedOptimizer, broadcast_parameters,
 broadcast_optimizer_state and join are kvps.torch's own, with Horovod's arguments).
 
 Collectives are named by the tensor's `name` (Horovod's name=) or, without one, by its dtype
@@ -19,7 +19,8 @@ from kvps.wire.requests import Handle
 
 
 class ReduceOp:
-    """Horovod's reduction ops: hvd.Average (the default) and hvd.Sum."""
+    """Horovod's reduction ops: hvd.Average (the default) and hvd.Sum, and for allreduce hvd.Min, hvd.Max
+    and hvd.Product."""
 
     def __init__(self, name):
         self.name = name
@@ -29,6 +30,8 @@ class ReduceOp:
 
 
 Average, Sum, Adasum = ReduceOp("Average"), ReduceOp("Sum"), ReduceOp("Adasum")
+Min, Max, Product = ReduceOp("Min"), ReduceOp("Max"), ReduceOp("Product")
+GATHERED = {Min: lambda rows: rows.amin(0), Max: lambda rows: rows.amax(0), Product: lambda rows: rows.prod(0)}
 
 
 class Compression:
@@ -48,7 +51,8 @@ def reduction(op, average=None):
     if op is Adasum:
         raise ValueError("hvd.Adasum is not supported by kvps: use hvd.Average or hvd.Sum")
     if op not in (Average, Sum):
-        raise ValueError(f"op={op!r} is not hvd.Average or hvd.Sum")
+        also = " (hvd.allreduce takes it, gradients do not)" if op in GATHERED else ""
+        raise ValueError(f"op={op!r} is not hvd.Average or hvd.Sum{also}")
     return op is Average
 
 
@@ -202,6 +206,10 @@ class Pending:
 
 def _start(tensor, average, name, op, priority=0):
     """Send `tensor`'s sum over every worker on its way: a Pending."""
+    if op in GATHERED:
+        if average is not None:
+            raise ValueError("give op= or average=, not both (average= is Horovod's older spelling)")
+        return _by_gather(tensor, name, op)
     mean = reduction(op, average)
     kv = _summing_kv("allreduce", tensor)
     value = tensor.detach()
@@ -222,6 +230,17 @@ def _start(tensor, average, name, op, priority=0):
                          f"{work.dtype} {tuple(work.shape)}: give each tensor its own name")
     handle = kv.pushpull(key, work, out=work, priority=priority, async_op=True)
     return Pending(handle, tensor, value, work, mean, kv.num_workers)
+
+
+def _by_gather(tensor, name, op):
+    """hvd.Min, Max and Product: the servers and the ring only sum, so every worker's tensor is
+    gathered (the workers' count times its bytes: for metrics, not gradients) and reduced here, the
+    same way on every worker. Done when it returns."""
+    value = tensor.detach()
+    if value.numel():
+        rows, _ = _gather(value.unsqueeze(0), f"{op.name}/{name}" if name is not None else op.name)
+        value.copy_(GATHERED[op](rows).reshape(value.shape))
+    return Pending(Handle.completed(f"an allreduce ({op!r})"), tensor, value, value, False, 1)
 
 
 def allreduce_(tensor, average=None, name=None, op=None):

@@ -51,6 +51,9 @@ out["counts"] = counts.tolist()
 out["from1"] = hvd.broadcast(torch.full((3,), float(hvd.rank())), root_rank=1).tolist()
 out["object"] = hvd.broadcast_object({"epoch": 3, "rank": hvd.rank()}, root_rank=0)
 hvd.barrier()
+out["minmax"] = [hvd.allreduce(torch.tensor([float(hvd.rank()), -float(hvd.rank())]), op=hvd.Max).tolist(),
+                 hvd.allreduce(torch.tensor(hvd.rank() + 2.5), op=hvd.Min, name="m").item(),
+                 hvd.allreduce(torch.tensor([hvd.rank() + 2, 3]), op=hvd.Product).tolist()]
 mine = torch.arange(2 + hvd.rank(), dtype=torch.float32).reshape(-1, 1) + 10 * hvd.rank()   # 2 and 3 rows
 out["gathered"] = hvd.allgather(mine, name="rows").reshape(-1).tolist()
 out["gathered_int"] = hvd.allgather(torch.tensor([hvd.rank() + 1], dtype=torch.int8)).tolist()
@@ -124,6 +127,7 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
             (2, r["rank"], 2, 1, True), r
         assert r["counts"] == [2, 1] and r["from1"] == [1.0] * 3, r
         assert r["object"] == {"epoch": 3, "rank": 0}, r
+        assert r["minmax"] == [[1.0, 0.0], 2.5, [6, 9]], r
         assert r["gathered"] == [0.0, 1.0, 10.0, 11.0, 12.0] and r["gathered_int"] == [1, 2], r
         assert r["objects"] == [{"rank": 0, "word": "ab"}, {"rank": 1, "word": "abab"}], r
         assert "never pickle" in r["refused"] and "root_rank 0" in r["refused"], r
