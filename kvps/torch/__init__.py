@@ -23,7 +23,7 @@ docs/torch.md has the details.
 Its modules: session (the modes, the process's kvstore, init, join), broadcast, bucketing,
 optimizer (DistributedOptimizer), rules (torch optimizers as server-side update rules) and
 horovod (Horovod's process API: `import kvps.torch as hvd` runs a horovod.torch script), elastic
-(hvd.elastic.run and TorchState) and byteps
+(hvd.elastic.run and TorchState), sync_batchnorm (hvd.SyncBatchNorm) and byteps
 (BytePS's push_pull names on top of it: `import kvps.torch as bps`).
 """
 import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstring)
@@ -41,6 +41,7 @@ from kvps.torch import elastic
 from kvps.torch.bucketing import BUCKET_BYTES, FIRST_BUCKET_BYTES, buckets
 from kvps.torch.optimizer import DistributedOptimizer
 from kvps.torch.server_optimizer import server_optimizer
+from kvps.torch.sync_batchnorm import SyncBatchNorm
 from kvps.torch.session import ASYNC, MODES, SUMMING, Session, init, join
 
 __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
@@ -52,6 +53,6 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object", "barrier",
            "Compression", "Average", "Sum", "Adasum", "Min", "Max", "Product", "nccl_built", "mpi_built",
-           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "elastic",
+           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "elastic", "SyncBatchNorm",
            # BytePS's (kvps/torch/byteps.py): import kvps.torch as bps
            "push_pull", "push_pull_inplace", "push_pull_async", "push_pull_async_inplace", "declare"]

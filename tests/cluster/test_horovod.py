@@ -1,7 +1,8 @@
 """A horovod.torch script, written as Horovod's examples write it, runs on kvps with only its import
 changed (`import kvps.torch as hvd`), on a ring job (kvps launch -s 0) and on a server job; so do
 Horovod's asynchronous and grouped allreduce, its elastic API (hvd.elastic.run, TorchState) and
-BytePS's push_pull names (`import kvps.torch as bps`)."""
+BytePS's push_pull names (`import kvps.torch as bps`); hvd.SyncBatchNorm normalizes over every
+worker's batch as torch's BatchNorm does over the whole batch in one process."""
 
 import numpy as np
 import pytest
@@ -150,3 +151,52 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
         assert r["elastic_epoch"] == 2, r            # rank 0's epoch 1, then epochs 1 and 2
     assert results[0]["elastic_w"] == results[1]["elastic_w"]
     assert c.wait_daemons() == [0] * (1 + servers)
+
+
+SYNC_BN = r"""
+import json
+import torch
+import kvps.torch as hvd
+
+hvd.init()
+r, w = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+x_all = torch.randn(4 * w, 3, 5, 5, dtype=torch.float64) * 3 + 1
+probe = torch.randn(4 * w, 3, 5, 5, dtype=torch.float64)      # loss = sum(y * probe): no 1/batch to undo
+mine = slice(4 * r, 4 * r + 4)
+
+# the whole batch in one process, torch's own layer
+ref = torch.nn.BatchNorm2d(3, momentum=0.3).double()
+with torch.no_grad():
+    ref.weight.copy_(torch.tensor([0.5, 2.0, -1.0]))
+    ref.bias.copy_(torch.tensor([0.1, 0.0, 0.3]))
+layers = torch.nn.Sequential(torch.nn.Identity(), torch.nn.BatchNorm2d(3, momentum=0.3)).double()
+layers[1].load_state_dict(ref.state_dict())
+sync = hvd.SyncBatchNorm.convert_sync_batchnorm(layers)        # as a model's layers are converted
+out = {"converted": type(sync[1]).__name__}
+
+x_ref = x_all.clone().requires_grad_()
+y_ref = ref(x_ref)
+(y_ref * probe).sum().backward()
+x = x_all[mine].clone().requires_grad_()
+y = sync(x)
+(y * probe[mine]).sum().backward()
+bn = sync[1]
+grads = hvd.allreduce(torch.cat([bn.weight.grad, bn.bias.grad]), op=hvd.Sum)    # each worker's are its own
+out["y"] = float((y - y_ref[mine]).abs().max())
+out["dx"] = float((x.grad - x_ref.grad[mine]).abs().max())
+out["dwb"] = float((grads - torch.cat([ref.weight.grad, ref.bias.grad])).abs().max())
+out["running"] = float(max((bn.running_mean - ref.running_mean).abs().max(), (bn.running_var - ref.running_var).abs().max()))
+sync.eval(); ref.eval()
+out["eval"] = float((sync(x_all[mine]) - ref(x_all[mine])).abs().max())
+print(json.dumps(out), flush=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_sync_batchnorm_normalizes_over_every_workers_batch(cluster, servers):
+    for r in [lines[0] for lines in cluster(2, servers).run_workers(SYNC_BN, timeout=90)]:
+        assert r["converted"] == "SyncBatchNorm", r
+        for name in ("y", "dx", "dwb", "running", "eval"):
+            assert r[name] < 1e-9, (name, r)
