@@ -1,7 +1,7 @@
-"""The worker side of checkpoints (docs/checkpoint.md): kv.save and kv.load as collectives, a
-resume at every kv.init (KVPS_RESUME), and periodic checkpoints (KVPS_CHECKPOINT_DIR with
-KVPS_CHECKPOINT_EVERY). The servers write and read the files; one worker sends them SAVE or
-LOAD and writes the manifest, last.
+"""The worker side of checkpoints (docs/checkpoint.md): kv.save (any worker's in dist_sync, a
+collective elsewhere) and kv.load (a collective), a resume at every kv.init (KVPS_RESUME), and
+periodic checkpoints (KVPS_CHECKPOINT_DIR with KVPS_CHECKPOINT_EVERY). The servers write and read
+the files; one worker sends them SAVE or LOAD and writes the manifest, last.
 
     ck = Checkpointer(node, cfg, keys, num_servers, mode)
     ck.save(path)                          # SAVE to every server, then the manifest
@@ -13,7 +13,8 @@ SAVE arrives. The saving worker first waits for its own pushes, so (dist_sync) e
 its last step has closed, and no later round can close without its next push, which it sends after
 SAVE on the same connection. So every key is saved at the same round, while the other workers keep
 pushing into the open rounds. (Async and ssp have no such cut; their periodic checkpoints are
-fuzzy, as any asynchronous checkpoint; kv.save, a collective behind a barrier, is exact in every mode.)
+fuzzy, as any asynchronous checkpoint; there kv.save is a collective behind a barrier, which makes
+it exact. In dist_sync kv.save is this cut, with the servers holding updates back while they write.)
 """
 import logging
 import os
