@@ -146,7 +146,7 @@ def test_valid_msgpack_with_wrong_field_types(job, fields, op):
     _both(job, [msgpack.packb(header, use_bin_type=True)])
 
 
-@settings(FUZZ, max_examples=1200)
+@settings(FUZZ, max_examples=600)
 @given(st.sampled_from(KINDS), st.integers(0, 2 ** 32))
 def test_hostile_kinds(job, kind, seed):
     """Huge shapes, wrong frame counts, unknown ops, truncated and mutated messages, deep nesting,
