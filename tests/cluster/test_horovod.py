@@ -113,6 +113,26 @@ def train_elastic(state):
 state = hvd.elastic.TorchState(model3, opt4, epoch=1 if hvd.rank() == 0 else 0)
 out["elastic_epoch"] = train_elastic(state)
 out["elastic_w"] = model3.weight.detach().reshape(-1).tolist()
+# Horovod's elastic sampler: a worker's samples recorded before the run (an interrupted epoch 0)
+# are merged by the state's sync and left out of the rest of that epoch on every worker
+data = list(range(22))
+sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
+sampler.record_indices([0, 1] if hvd.rank() == 1 else [2])
+state2 = hvd.elastic.TorchState(model3, opt4, train_sampler=sampler, epoch=0, batch=0)
+
+@hvd.elastic.run
+def sample(state):
+    seen = []
+    for state.epoch in range(state.epoch, 2):
+        state.train_sampler.set_epoch(state.epoch)
+        loader = torch.utils.data.DataLoader(data, batch_size=3, sampler=state.train_sampler)
+        for state.batch, batch in enumerate(loader):
+            seen.append([state.epoch] + batch.tolist())
+            state.train_sampler.record_batch(state.batch, 3)
+            state.commit()
+    return seen
+
+out["sampled"] = sample(state2)
 print(json.dumps(out), flush=True)
 hvd.shutdown()
 '''
@@ -150,6 +170,10 @@ def test_a_horovod_script_runs_with_its_import_changed(cluster, servers):
         assert r["grouped"] == [[0.5, 0.5], [1.0, 1.0, 1.0]], r
         assert r["elastic_epoch"] == 2, r            # rank 0's epoch 1, then epochs 1 and 2
     assert results[0]["elastic_w"] == results[1]["elastic_w"]
+    for epoch, want in ((0, set(range(3, 22))), (1, set(range(22)))):
+        shares = [[i for b in r["sampled"] if b[0] == epoch for i in b[1:]] for r in results]
+        assert set(shares[0]).isdisjoint(shares[1]) or len(want) % 2, shares
+        assert set(shares[0]) | set(shares[1]) == want, (epoch, shares)
     assert c.wait_daemons() == [0] * (1 + servers)
 
 
