@@ -124,23 +124,25 @@ class Coalescer:
         if not self.lock.acquire(blocking=False):
             self._later(self.delay, self.check)
             return
+        again = None                        # seconds until the next check; None: none is due
         try:
             batch = self.batch
             opened, self._opened = self._opened, False
             if batch is None:
-                if opened:
-                    self._later(self.delay, self.check)
-                else:
-                    self._armed = False
-                return
-            left = self.due(batch)
-            if left > 0:
-                self._later(left, self.check)
-            elif not batch.send(True):      # a request its keys wait on is not answered yet
-                self._later(self.delay, self.check)
+                again = self.delay if opened else None
             else:
-                self._armed = False         # sent: the next batch arms a check of its own
+                left = self.due(batch)
+                if left > 0:
+                    again = left
+                elif not batch.send(True):      # a request its keys wait on is not answered yet
+                    again = self.delay
+                # sent: the next batch arms a check of its own
         finally:
+            # (whatever happened: a check is due exactly when _armed says so)
+            if again is None:
+                self._armed = False
+            else:
+                self._later(again, self.check)
             self.lock.release()
 
     def due(self, batch):

@@ -109,6 +109,20 @@ def test_one_check_at_a_time_and_none_once_calls_stop():
     assert len(later.asked) == 1                    # a late send disarmed it
 
 
+def test_a_check_that_fails_leaves_none_armed():
+    later = Later()
+    c = Coalescer(0.0, limit=1000, later=later)
+
+    def broken(late):
+        raise RuntimeError("send failed")
+    c.open(batch_of(Op.PUSH, [1]), broken)
+    with pytest.raises(RuntimeError):
+        later.run()
+    c.take()
+    c.open(batch_of(Op.PUSH, [2]), lambda late: True)
+    assert len(later.asked) == 1                    # the next batch is looked at again
+
+
 def test_the_check_never_waits_for_a_caller_inside_a_call():
     later, sent = Later(), []
     c = Coalescer(0.0, limit=1000, later=later)
