@@ -941,9 +941,14 @@ class Server(Node):
             self.answer(routing_id, header, Header(Op.ACK, header.id, self.name))
             return
         hold = header.meta.get("hold", False)
-        records = self.store.export(copy=not hold)
-        if home is not None:        # KVPS_REPLICAS: this range's shard only (replicas hold others)
-            records = [r for r in records if self.homes.get((r["key"], r["part"]), self.rank) == home]
+
+        def export(copy):
+            records = self.store.export(copy)
+            if home is None:
+                return records
+            # KVPS_REPLICAS: this range's shard only (replicas hold others)
+            return [r for r in records if self.homes.get((r["key"], r["part"]), self.rank) == home]
+        records = export(copy=False)
         place, generation = (path, home), checkpoint.generation(self.store.changes, records)
         last = self._saved.get(place)
         if last is not None and last[0] == generation and os.path.exists(os.path.join(path, last[1]["file"])):
@@ -951,6 +956,8 @@ class Server(Node):
             # calling kv.save at the same step boundary costs one write, not one each.
             self.answer(routing_id, header, Header(Op.ACK, header.id, self.name, meta=last[1]))
             return
+        if not hold:                # the copy a thread writes while training goes on
+            records = export(copy=True)
         tensors, slots = checkpoint.pack(records)
         self._checkpointing[save_id] = self._checkpointing.get(save_id, 0) + 1
         if hold and self._held is None:

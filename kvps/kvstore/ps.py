@@ -1005,27 +1005,20 @@ class DistKVStore(KVStore):
         barrier makes the cut exact); worker 0 sends the requests and raises what went wrong."""
         self.wait_all()
         self._checkpoints.wait()
-        if self.consistency.wire() == "sync":
-            # No round closes without this worker's next push, so the servers' state stays that of
-            # its last step while they write it (hold: without a copy), whoever else is pushing.
+        # (hold: the servers write their live state, no copy: no round closes meanwhile, since in
+        # dist_sync none closes without this worker's next push, and elsewhere every worker waits)
+        def save():
             self._checkpoints.start_save(path, self._checkpoints.step or None, dump_optimizer, hold=True)()
-            return
-        self._gather("kv.save")
-        error = None
-        if self.rank == 0:
-            try:
-                # every worker waits between the barriers: the servers need not copy their state
-                self._checkpoints.start_save(path, self._checkpoints.step or None, dump_optimizer, hold=True)()
-            except Exception as exc:     # the others must still leave the barrier
-                error = exc
-        self._node.barrier("workers")
-        if error is not None:
-            raise error
+        if self.consistency.wire() == "sync":
+            save()
+        else:
+            self._collective("kv.save", save)
 
-    def _gather(self, call):
-        """The first barrier of a collective `call`: every worker must make it. One still waiting
-        after COLLECTIVE_HINT_S (or half of KVPS_TIMEOUT) says so, once, naming the call (a script
-        that makes it under `if kv.rank == 0:` would otherwise wait without a word until
+    def _collective(self, call, work):
+        """A collective `call` (kv.load, kv.save outside dist_sync): every worker meets, worker 0 does
+        work(), all meet again, and worker 0 raises what went wrong. One still waiting at the first
+        meeting after COLLECTIVE_HINT_S (or half of KVPS_TIMEOUT) says so, once, naming the call (a
+        script that makes it under `if kv.rank == 0:` would otherwise wait without a word until
         KVPS_TIMEOUT), and fails at KVPS_TIMEOUT with an error that names it too."""
         handle = self._node.barrier_async("workers")
         hint = min(COLLECTIVE_HINT_S, self.cfg.timeout / 2)
@@ -1041,6 +1034,15 @@ class DistKVStore(KVStore):
                 raise KVTimeoutError(f"W{self.rank}: {call} waited {self.cfg.timeout:g} s (KVPS_TIMEOUT) for the "
                                      f"other workers to call it too: in a {self.consistency.wire()} job it is "
                                      f"a collective, which every worker calls") from None
+        error = None
+        if self.rank == 0:
+            try:
+                work()
+            except Exception as exc:     # the others must still leave the barrier
+                error = exc
+        self._node.barrier("workers")
+        if error is not None:
+            raise error
 
     @_after_pushes
     def load(self, path, optimizer_states=True):
@@ -1054,16 +1056,8 @@ class DistKVStore(KVStore):
         self._checkpoints.wait()
         self._checkpoints.check(path, infos)
         self._forget([info.key for info in infos])
-        self._gather("kv.load")
-        error = None
-        if self.rank == 0:
-            try:
-                self._checkpoints.load(path, infos, "all" if optimizer_states else "values")
-            except Exception as exc:
-                error = exc
-        self._node.barrier("workers")
-        if error is not None:
-            raise error
+        self._collective("kv.load", functools.partial(self._checkpoints.load, path, infos,
+                                                      "all" if optimizer_states else "values"))
 
     @_after_pushes
     def save_optimizer_states(self, fname, dump_optimizer=False):

@@ -28,8 +28,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         channels = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         shape = [1, channels] + [1] * (x.dim() - 2)
-        local = x.detach().double()
-        stats = torch.cat([local.sum(dims), (local * local).sum(dims),
+        stats = torch.cat([x.sum(dims, dtype=torch.float64), x.square().sum(dims, dtype=torch.float64),
                            torch.tensor([x.numel() // channels], dtype=torch.float64)])
         horovod.allreduce_(stats, name=f"{name}/forward", op=horovod.Sum)
         count = stats[-1]
