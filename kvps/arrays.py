@@ -55,10 +55,11 @@ def as_numpy(value, what):
 
 class Out:
     """A destination array: `array` is a numpy array to write into; `finish()` copies it
-    back where the caller's array could not be written directly (CUDA, non-contiguous)."""
+    back where the caller's array could not be written directly (CUDA, non-contiguous, or of
+    another float dtype than `dtype`, the key's: the value is cast into it, as MXNet's pull does)."""
     __slots__ = ("target", "array", "copy_back")
 
-    def __init__(self, target, what):
+    def __init__(self, target, what, dtype=None):
         self.target = target
         self.copy_back = False
         if is_torch(target):
@@ -81,19 +82,27 @@ class Out:
             dtype_code(self.array.dtype)
         except ValueError as exc:
             raise ValueError(f"{what}: {exc}") from None
+        if dtype is not None and self.array.dtype != dtype and is_float(dtype) and is_float(self.array.dtype):
+            self.array = np.empty(self.array.shape, dtype)
+            self.copy_back = True
 
     def finish(self):
         if not self.copy_back:
             return
         if is_torch(self.target):
             import torch
-            src = torch.from_numpy(self.array.view(np.int16) if self.array.dtype == ml_dtypes.bfloat16
-                                   else self.array)
-            if self.target.dtype == torch.bfloat16:
-                src = src.view(torch.bfloat16)
+            if self.array.dtype == ml_dtypes.bfloat16:
+                src = torch.from_numpy(self.array.view(np.int16)).view(torch.bfloat16)
+            else:
+                src = torch.from_numpy(self.array)
             self.target.copy_(src)
         else:
-            np.copyto(self.target, self.array)
+            np.copyto(self.target, self.array, casting="unsafe")
+
+
+def is_float(dtype):
+    """float16, bfloat16, float32 or float64: the dtypes a pull casts between."""
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == ml_dtypes.bfloat16
 
 
 def describe(dtype, shape):

@@ -103,7 +103,14 @@ class RMSProp(Optimizer):
     defaults = dict(_COMMON, learning_rate=0.001, gamma1=0.9, epsilon=1e-8)
 
 
-_BUILTIN = {cls.name: cls for cls in (SGD, NAG, Adam, AdamW, AdaGrad, RMSProp)}
+class Test(Optimizer):
+    """weight += rescale_grad * grad: MXNet's 'test' optimizer, which its dist kvstore tests
+    (tests/nightly/dist_sync_kvstore.py) check sums with."""
+    name = "test"
+    defaults = dict(_COMMON)
+
+
+_BUILTIN = {cls.name: cls for cls in (SGD, NAG, Adam, AdamW, AdaGrad, RMSProp, Test)}
 
 
 def from_spec(spec):

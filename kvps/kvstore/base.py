@@ -336,7 +336,7 @@ class KVStore(abc.ABC):
         items = []
         for key, targets in pairs(keys, outs, op, what="out"):
             info = self._info(key, op)
-            wrapped = [Out(t, f"{op} out for key {key!r}") for t in targets]
+            wrapped = [Out(t, f"{op} out for key {key!r}", dtype=info.dtype) for t in targets]
             for o in wrapped:
                 self._check(info, o.array, op, "out")
             items.append((info, wrapped))

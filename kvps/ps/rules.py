@@ -24,7 +24,7 @@ import numpy as np
 
 from kvps import kernels, lr_scheduler
 from kvps.errors import ConfigError, KVValueError
-from kvps.optimizer import SGD, NAG, Adam, AdamW, AdaGrad, RMSProp
+from kvps.optimizer import SGD, NAG, Adam, AdamW, AdaGrad, RMSProp, Test
 
 FLOATS = {np.dtype(np.float32), np.dtype(np.float64)}
 
@@ -120,7 +120,15 @@ class RMSPropRule(UpdateRule):
                                     epsilon=p["epsilon"], **self.common())
 
 
-BUILTIN = (SGDRule, NAGRule, AdamRule, AdamWRule, AdaGradRule, RMSPropRule)
+class TestRule(UpdateRule):
+    """MXNet's: the gradient, scaled, is added (learning rate, wd and clipping are not used)."""
+    name, defaults = Test.name, Test.defaults
+
+    def apply(self, weight, grad, state, count):
+        _ops(weight).axpy(weight, self.params["rescale_grad"], grad.astype(weight.dtype, copy=False))
+
+
+BUILTIN = (SGDRule, NAGRule, AdamRule, AdamWRule, AdaGradRule, RMSPropRule, TestRule)
 
 
 class Registry:

@@ -69,7 +69,7 @@ import numpy as np
 
 from kvps import kernels
 from kvps.ps.consistency import Consistency
-from kvps.errors import KVKeyError, KVValueError, NodeFailure, ProtocolError
+from kvps.errors import KVKeyError, KVPSError, KVValueError, NodeFailure, ProtocolError
 
 from kvps.ps.clocks import WAIT, Clocks
 
@@ -90,7 +90,7 @@ class Slot:
     """One key (or one part of a split key) on this server."""
     __slots__ = ("id", "dtype", "shape", "value", "init_waiters", "pending", "in_round", "acks",
                  "pushes", "version", "seen", "early", "pull_waiters", "merge", "sent", "opened", "pushers", "busy",
-                 "awaiting", "merge_sent", "retired")
+                 "awaiting", "merge_sent", "retired", "failed")
 
     def __init__(self, slot_id, dtype, shape):
         self.id = slot_id                # (key, part)
@@ -116,6 +116,7 @@ class Slot:
         self.awaiting = None
         self.merge_sent = []             # trackers of sends that still read `merge` (a round's sum sent on)
         self.retired = []                # [array, its sent] of former values in shared memory, reused once read
+        self.failed = None               # the error of the last sync round, if it failed: pulls get it
 
     def name(self):
         key, part = self.id
@@ -382,8 +383,8 @@ class Store:
             self._merge(slot, pending)
         except Exception as exc:
             self._round_merged(slot, acks, members, merge_start, exc)
-            return
-        self._round_merged(slot, acks, members, merge_start, None, summed=summed)
+        else:
+            self._round_merged(slot, acks, members, merge_start, None, summed=summed)
         if slot.early:
             self._enter_early(slot)
 
@@ -446,6 +447,7 @@ class Store:
             # Every worker in the round hears of the failure; none waits for a reply that never comes.
             log.error("%s: applying a round failed", slot.name(), exc_info=error)
             slot.version += 1
+            slot.failed = error
             for ack in acks:
                 ack(error)
             waiters, slot.pull_waiters = slot.pull_waiters, []
@@ -455,6 +457,7 @@ class Store:
         for worker in members:
             self.clocks.applied(slot, worker)
         slot.version += 1
+        slot.failed = None
         self.stats["rounds"] += 1
         closed = time.time() if self.observer is not None else 0.0
         if summed:                          # before the acks: the chain holds their replies for it
@@ -650,6 +653,12 @@ class Store:
             done(state)
 
     def _deliver(self, slot, worker, done, rows):
+        if slot.failed is not None:
+            # The value holds none of the failed round's pushes: a pull that returned it would pass
+            # off the value before that round as its result.
+            done(KVPSError(f"the last sync round of {slot.name()} failed ({type(slot.failed).__name__}: "
+                           f"{slot.failed}): its value holds none of that round's pushes"))
+            return
         value = slot.value if rows is None else slot.value[rows]
         self.stats["bytes_out"] += value.nbytes
         self.clocks.delivered(slot, worker)

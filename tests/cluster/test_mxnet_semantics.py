@@ -1,8 +1,9 @@
 """MXNet scripts run unchanged on real jobs: a kvstore never closed still leaves the job at once, a
 push returns before its round closes yet overwriting the pushed array changes nothing, errors of
 returned calls are raised by the next call, per-key push loops then pull loops give the right
-values (pulled ahead), row-sparse pushes sum rows and update only them, MXNet's names work, and a
-round held up by a live worker is named by its server (the stall check) while the job goes on."""
+values (pulled ahead), row-sparse pushes sum rows and update only them, MXNet's names work, what MXNet's own dist kvstore
+tests check holds, and a round held up by a live worker is named by its server (the stall check)
+while the job goes on."""
 import json
 import os
 import subprocess
@@ -302,6 +303,69 @@ def test_mxnet_names_and_forms(cluster):
         assert line["per_out"] == [[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]], line
         assert "whole numbers" in line["bad"] and "1.5" in line["bad"], line
     assert c.wait_daemons() == [0, 0]
+
+
+CONTRACT = r'''
+import json, numpy as np, kvps
+kv = kvps.create("dist_sync")
+r, W, rate = kv.rank, kv.num_workers, 2
+kv.init(["a", "a2"], [np.ones((2, 3), np.float32)] * 2)     # one array object for every key of a list
+# float16 keys, and keys split over both servers
+kv.init(["big", "h", "hbig"], [np.ones((30, 4), np.float32), np.ones((2, 3), np.float16), np.ones((30, 4), np.float16)])
+kv.init(["rs", "hrs"], [np.ones((30, 4), np.float32), np.ones((30, 4), np.float16)])
+kv.set_optimizer(kvps.optimizer.create("test", rescale_grad=rate))
+sums = []
+for i in range(3):
+    for k, shape, dtype in [("a", (2, 3), np.float32), ("big", (30, 4), np.float32),
+                            ("h", (2, 3), np.float16), ("hbig", (30, 4), np.float16)]:
+        kv.push(k, np.ones(shape, dtype) * (r + 1))
+        val = np.zeros(shape, dtype)
+        kv.pull(k, out=val)
+        sums.append(sorted(set(val.ravel().tolist())))
+# row-sparse: worker r pushes row r and row 20 + r; pulls with 2-D float16 row ids, repeats
+# included, into float32 outs (MXNet casts into the out's dtype)
+rows = []
+for k, dtype in [("rs", np.float32), ("hrs", np.float16)]:
+    ids = np.array([r, 20 + r])
+    kv.push(k, np.full((2, 4), r + 1, dtype), row_ids=ids)
+    out = np.full((30, 4), -1, np.float32)
+    kv.row_sparse_pull(k, out=out, row_ids=np.array([[0, 1], [21, 21], [29, 0]], np.float16))
+    empty = np.full((30, 4), -1, np.float32)
+    kv.row_sparse_pull(k, out=empty, row_ids=np.array([]))
+    rows.append([out[:, 0].tolist(), float(np.abs(empty).sum())])
+# 2-bit compression: residuals carry what is under the threshold until it adds up
+kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+kv.init(["c", "cbig"], [np.zeros((2, 3), np.float32), np.zeros((30, 4), np.float32)])
+compressed = []
+for push in (0.4, 0.1, 0.2, 0.3):
+    for k, shape in [("c", (2, 3)), ("cbig", (30, 4))]:
+        kv.push(k, np.full(shape, push, np.float32))
+        val = np.zeros(shape, np.float32)
+        kv.pull(k, out=val)
+        compressed.append(sorted(set(val.ravel().tolist())))
+a2 = np.zeros((2, 3), np.float32)
+kv.pull("a2", out=a2)
+print(json.dumps({"sums": sums, "rows": rows, "compressed": compressed, "a2": a2.tolist()}), flush=True)
+'''
+
+
+def test_mxnets_dist_kvstore_contract(cluster):
+    """What MXNet's own dist_sync kvstore tests check, as an MXNet user's script calls it: the 'test'
+    optimizer's sums on float32 and float16 keys, small and split over servers, row-sparse pushes
+    pulled by 2-D float row ids into an out of another float dtype, an empty row-id pull, and 2-bit
+    compression's residuals."""
+    c = cluster(2, 2, env={"KVPS_BIGARRAY_BOUND": "100"})
+    W, rate = 2, 2
+    for (line,) in c.run_workers(CONTRACT):
+        assert line["a2"] == [[1.0] * 3] * 2, line
+        assert line["sums"] == [[(W + 1) * W * rate / 2 * (i + 1) + 1] for i in range(3) for _ in range(4)], line
+        # rows 0, 1 pushed by W0, W1 (1 + rate * (r + 1)); 21 by W1; 29 by nobody; the rest not asked
+        expect = [3.0, 5.0] + [0.0] * 19 + [5.0] + [0.0] * 7 + [1.0]
+        assert line["rows"] == [[expect, 0.0], [expect, 0.0]], line
+        # 0.4 stays in the residual; + 0.1 reaches 0.5: sent; 0.2 stays; + 0.3 reaches 0.5 again
+        threshold_step = 0.5 * rate * W
+        assert line["compressed"] == [[0.0]] * 2 + [[threshold_step]] * 4 + [[2 * threshold_step]] * 2, line
+    assert c.wait_daemons() == [0, 0, 0]
 
 
 UNEVEN = r'''

@@ -150,3 +150,66 @@ def test_get_updater_refuses_what_it_cannot_step():
     weight = np.ones(6, np.float32)[::2]            # not contiguous: stepped through a copy, written back
     updater(1, np.ones(3, np.float32), weight)
     assert np.allclose(weight, 0.9)
+
+
+def test_pull_casts_into_an_out_of_another_float_dtype_as_mxnet_does():
+    """MXNet copies a pulled value into `out` whatever its float dtype (its own dist tests pull
+    float16 keys into float32 arrays); other mismatches stay errors."""
+    torch = pytest.importorskip("torch")
+    kv = kvps.create("local")
+    kv.init(["h", "w"], [np.full((2, 3), 1.5, np.float16), np.full((2, 3), 2.25, np.float32)])
+    wide = np.zeros((2, 3), np.float32)
+    kv.pull("h", out=wide)
+    assert wide.tolist() == [[1.5] * 3] * 2
+    narrow, t64 = np.zeros((2, 3), np.float16)[:, ::1], torch.zeros(2, 3, dtype=torch.float64)
+    kv.pull("w", out=[narrow, t64])
+    assert narrow.tolist() == [[2.25] * 3] * 2 and t64.tolist() == [[2.25] * 3] * 2
+    rows = np.full((2, 3), -1.0, np.float64)
+    kv.row_sparse_pull("h", out=rows, row_ids=np.array([[1.0, 1.0]], np.float16))   # 2-D float ids, repeated
+    assert rows.tolist() == [[0.0] * 3, [1.5] * 3]
+    with pytest.raises(ValueError, match=r"key 'w' was initialised as float32 \(2, 3\); pull got out int32"):
+        kv.pull("w", out=np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="pull got out float32 \\(3, 2\\)"):
+        kv.pull("w", out=np.zeros((3, 2), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_mxnets_test_optimizer_adds_the_scaled_gradient(dtype):
+    """mx.optimizer.create('test', rescale_grad=r): weight += r * grad, which MXNet's dist kvstore
+    tests check their sums with (float16 keys through a float32 master copy)."""
+    kv = kvps.create("local")
+    kv.set_optimizer(kvps.optimizer.create("test", rescale_grad=2))
+    kv.init("k", np.ones((2, 3), dtype))
+    for _ in range(3):
+        kv.push("k", np.full((2, 3), 1.5, dtype))
+    out = np.zeros((2, 3), dtype)
+    kv.pull("k", out=out)
+    assert out.tolist() == [[10.0] * 3] * 2
+
+
+def test_a_pull_after_a_failed_round_gets_its_error_until_a_round_succeeds():
+    """A round whose update raised leaves the value as it was before it: a pull that returned that
+    value would pass it off as the round's result. The next round that succeeds clears it."""
+    class Flaky:
+        fail = True
+
+        def __call__(self, slot_id, weight, grad):
+            if self.fail:
+                raise ValueError("the update broke")
+            weight += grad
+    store = Store(2, "sync")
+    store.init(0, "w", 0, np.float32, (2,), np.zeros(2, np.float32), lambda r: None)
+    store.rule = Flaky()
+    acks = []
+    for w in (0, 1):
+        store.push(w, "w", 0, np.ones(2, np.float32), acks.append)
+    assert [type(a) for a in acks] == [ValueError, ValueError]
+    pulled = []
+    store.pull(0, "w", 0, pulled.append)
+    assert isinstance(pulled[0], kvps.KVPSError) and "the last sync round of key 'w' failed" in str(pulled[0]) \
+        and "the update broke" in str(pulled[0]), pulled
+    store.rule.fail = False
+    for w in (0, 1):
+        store.push(w, "w", 0, np.ones(2, np.float32), acks.append)
+    store.pull(1, "w", 0, pulled.append)
+    assert acks[2:] == [None, None] and pulled[1].tolist() == [2.0, 2.0]
