@@ -25,7 +25,7 @@ TYPES = {
 # where MXNet reduces (GPU or CPU), which kvps's kernels choose for themselves.
 ALIASES = {
     "dist_device_sync": "dist_sync", "dist_device_async": "dist_async",
-    "local_allreduce_cpu": "local", "local_allreduce_device": "local", "nccl": "local",
+    "local_update_cpu": "local", "local_allreduce_cpu": "local", "local_allreduce_device": "local", "nccl": "local",
     "horovod": "allreduce", "byteps": "dist_sync",
 }
 VALID = ("local, device, dist_sync, dist, dist_sync_device (each also as NAME:backup=B, B backup workers), "

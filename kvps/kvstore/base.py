@@ -23,6 +23,7 @@ import abc
 import atexit
 import collections
 import dataclasses
+import gc
 import logging
 import sys
 import weakref
@@ -199,14 +200,25 @@ class KVStore(abc.ABC):
         return True
 
     def _claim_process(self):
-        """Refuse a second member of a job in one process (call before starting a node)."""
+        """Refuse a second member of a job in one process, and a return to a job this process has
+        left (call before starting a node, with self.cfg set)."""
+        if any(not other._closed for other in list(_LIVE)):
+            gc.collect()        # a kvstore that a returned function dropped, in a cycle, leaves now
+        job = _job(self.cfg)
+        if job is not None and job in _LEFT:
+            rank, kind = _LEFT[job]
+            raise KVPSError(
+                f"this process was worker W{rank} of the job at {job} and left it when its {kind!r} kvstore "
+                f"was closed (or dropped); a worker that has left a job cannot join it again, and the job ends "
+                f"once every worker has left. Create one kvstore for the whole script (at module level, or "
+                f"once in main() and passed on) and keep it for every phase of training")
         for other in list(_LIVE):
             if not other._closed:
                 raise KVPSError(
                     f"this process is already worker W{other.rank} of the job through its {other.type!r} "
                     f"kvstore; a process is one worker of one job, so create one kvstore per process and "
-                    f"use it for every call (its pushpull sums over workers like an all-reduce), or "
-                    f"close() the first one before creating {self.type!r}")
+                    f"use it for every call (its pushpull sums over workers like an all-reduce), instead "
+                    f"of creating {self.type!r}")
 
     def _join_job(self, node, leave, send=None):
         """Register this kvstore as the process's member of the job (its node has started).
@@ -214,8 +226,13 @@ class KVStore(abc.ABC):
         (after `send()`, which sends what waits to be sent, and after the pending calls finish).
         Neither `node` nor `leave` may refer to the kvstore, or it could never be collected."""
         _LIVE.add(self)
+        job, left, rank, kind = _job(self.cfg), _LEFT, node.rank, self.type
+
+        def leave_for_good(reason=None):
+            left[job] = (rank, kind)
+            leave(reason)
         self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
-                                           lambda: node.failure is None, leave, self.type, send)
+                                           lambda: node.failure is None, leave_for_good, self.type, send)
         _watch_exit()
 
     # ---- checkpoints (docs/checkpoint.md): the parameter-server kvstores hold state to save ----
@@ -418,8 +435,15 @@ class KVStore(abc.ABC):
 
 
 _LIVE = weakref.WeakSet()       # kvstores of this process that are members of a job
+_LEFT = {}                      # the jobs this process has left (scheduler address) -> (rank, kvstore type)
 _EXIT = {"watched": False, "exiting": False}
 MAX_REASON = 300                # characters of an exception's text that go to the other nodes
+
+
+def _job(cfg):
+    """A job's name: its scheduler's address."""
+    address = getattr(cfg, "scheduler", None)
+    return None if address is None else f"{address[0]}:{address[1]}"
 
 
 def _watch_exit():

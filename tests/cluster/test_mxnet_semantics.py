@@ -57,6 +57,31 @@ def _results(stdout):
             if line.startswith("[W") and "] {" in line]
 
 
+PHASES = r'''
+import json, numpy as np, kvps
+def train(phase):
+    kv = kvps.create("dist_sync")              # each phase makes its own, and drops it on return
+    kv.init("w", np.zeros(3, np.float32))
+    kv.push("w", np.ones(3, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull("w", out=out)
+    print(json.dumps({"phase": phase, "w": out.tolist()}), flush=True)
+train("pretrain")
+train("finetune")
+'''
+
+
+def test_a_second_kvstore_after_leaving_the_job_fails_at_once_naming_why(tmp_path):
+    """A kvstore dropped or closed has left the job for good; a script that makes one per phase
+    fails at its second kvps.create with the reason, not after waiting for a scheduler that has gone."""
+    proc, took = _launch(tmp_path, PHASES, n=2, s=1)
+    assert proc.returncode != 0, proc.stdout
+    assert _results(proc.stdout) == [{"phase": "pretrain", "w": [2.0] * 3}] * 2, proc.stdout
+    assert "a worker that has left a job cannot join it again" in proc.stdout, proc.stdout
+    assert "Create one kvstore for the whole script" in proc.stdout, proc.stdout
+    assert took < 20, took          # the scheduler's heartbeat timeout here is 60 s
+
+
 @pytest.mark.parametrize("ending", sorted(EXITS))
 def test_a_kvstore_never_closed_leaves_the_job_at_once(tmp_path, ending):
     proc, elapsed = _launch(tmp_path, TRAIN + EXITS[ending])

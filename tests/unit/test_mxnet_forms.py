@@ -10,7 +10,7 @@ from kvps.ps.rules import Registry
 from kvps.ps.store import Store
 
 
-@pytest.mark.parametrize("name", ["LOCAL", "Local", "device", "local_allreduce_cpu", "local_allreduce_device", "nccl"])
+@pytest.mark.parametrize("name", ["LOCAL", "Local", "device", "local_update_cpu", "local_allreduce_cpu", "local_allreduce_device", "nccl"])
 def test_local_names_are_case_insensitive_and_aliased(name):
     kv = kvps.create(name)
     assert kv.type == name and kv.num_workers == 1
