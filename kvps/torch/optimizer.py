@@ -232,7 +232,10 @@ class _Distributed:
 
     def zero_grad(self, set_to_none=True):
         if any(h is not None for h in self._handles):
-            raise RuntimeError("zero_grad() while gradients are being reduced: call step() or synchronize() first")
+            raise RuntimeError("zero_grad() while gradients are being reduced: call step() or synchronize() first. "
+                               "(A backward through these parameters for another optimizer's loss, such as a "
+                               "GAN's generator loss through its discriminator, starts their reduction too: "
+                               "turn requires_grad off on them for that backward, as under Horovod)")
         self._reset()
         super().zero_grad(set_to_none)
 
