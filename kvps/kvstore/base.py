@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import os
 import sys
 import weakref
 
@@ -82,6 +83,7 @@ class KVStore(abc.ABC):
         self._pending = collections.deque()   # handles of asynchronous calls (handle.remember)
         self._returned = collections.deque()  # handles of calls that returned before completing
         self._closed = False
+        self._owner = os.getpid()        # the process that made it (a child it forks cannot use it)
         self._finalizer = None
         self._straggler = _UNSET   # built from the config on the first push
 
@@ -199,6 +201,13 @@ class KVStore(abc.ABC):
     def _healthy(self):
         return True
 
+    def _why_closed(self):
+        if os.getpid() != self._owner:
+            return (f"this kvstore belongs to process {self._owner}, which forked this one: a forked child "
+                    f"cannot use it (its connections and threads are the parent's); make kvstore calls in "
+                    f"the parent only")
+        return "this kvstore is closed"
+
     def _claim_process(self):
         """Refuse a second member of a job in one process, and a return to a job this process has
         left (call before starting a node, with self.cfg set)."""
@@ -232,7 +241,8 @@ class KVStore(abc.ABC):
             left[job] = (rank, kind)
             leave(reason)
         self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
-                                           lambda: node.failure is None, leave_for_good, self.type, send)
+                                           lambda: node.failure is None, leave_for_good, self.type, send,
+                                           os.getpid())
         _watch_exit()
 
     # ---- checkpoints (docs/checkpoint.md): the parameter-server kvstores hold state to save ----
@@ -315,6 +325,8 @@ class KVStore(abc.ABC):
 
     def _values(self, keys, values, op):
         """[(KeyInfo, array)], one merged array per key, every one checked before any is sent."""
+        if self._closed:        # (here too: a push that would wait in a batch sends nothing yet)
+            raise KVPSError(f"{op} of {keys!r}: {self._why_closed()}")
         items = []
         for key, vals in pairs(keys, values, op):
             info = self._info(key, op)
@@ -440,6 +452,15 @@ _EXIT = {"watched": False, "exiting": False}
 MAX_REASON = 300                # characters of an exception's text that go to the other nodes
 
 
+def _forked():
+    """In a child the script forked, every kvstore is its parent's: closed here, so a call says so."""
+    for kv in list(_LIVE):
+        kv._closed = True
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _job(cfg):
     """A job's name: its scheduler's address."""
     address = getattr(cfg, "scheduler", None)
@@ -466,8 +487,12 @@ def exit_reason():
                                           MAX_REASON)
 
 
-def _farewell(returned, pending, healthy, leave, kind, send=None):
-    """A kvstore's last act (weakref.finalize): finish its calls, report any error, leave the job."""
+def _farewell(returned, pending, healthy, leave, kind, send=None, pid=None):
+    """A kvstore's last act (weakref.finalize): finish its calls, report any error, leave the job.
+    Not in a child that the script forked (os.fork, then sys.exit): the kvstore is its parent's,
+    whose job it would leave, through connections and threads the child does not have."""
+    if pid is not None and os.getpid() != pid:
+        return
     try:
         if healthy():
             if send is not None:

@@ -236,7 +236,7 @@ class DistKVStore(KVStore):
         `starts`: the calls a batch of coalesced pushes stands for (their start times), which are
         timed apart; its pushes were checked, and earlier errors are left to the next call."""
         if self._closed:
-            raise KVPSError(f"{what}: this kvstore is closed")
+            raise KVPSError(f"{what}: {self._why_closed()}")
         if starts is None:
             _check_priority(priority, what)
             self._check_returned()

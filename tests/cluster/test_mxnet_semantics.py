@@ -82,6 +82,41 @@ def test_a_second_kvstore_after_leaving_the_job_fails_at_once_naming_why(tmp_pat
     assert took < 20, took          # the scheduler's heartbeat timeout here is 60 s
 
 
+FORKS = r'''
+import json, os, sys, numpy as np, kvps
+kv = kvps.create("dist_sync")
+kv.init("w", np.zeros(3, np.float32))
+kv.push("w", np.ones(3, np.float32))
+pid = os.fork()
+if pid == 0:                # a helper the script forks, which ends with sys.exit (atexit hooks run)
+    try:
+        kv.push("w", np.ones(3, np.float32))
+        print(json.dumps({"child": "pushed"}), flush=True)
+    except kvps.KVPSError as exc:
+        print(json.dumps({"child": str(exc)}), flush=True)
+    sys.exit(0)
+os.waitpid(pid, 0)
+for step in range(3):
+    kv.push("w", np.ones(3, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull("w", out=out)
+print(json.dumps({"w": out.tolist()}), flush=True)
+'''
+
+
+def test_a_child_the_script_forks_neither_leaves_the_job_nor_uses_the_kvstore(tmp_path):
+    """A forked child's exit ran the kvstore's farewell: it left the job for its parent through
+    connections and threads it does not have, and hung 30 s at exit, then the job never ended. Now
+    a child does nothing at exit, and a call in it says whose kvstore it is."""
+    proc, took = _launch(tmp_path, FORKS, n=2, s=1)
+    assert proc.returncode == 0, proc.stdout
+    lines = _results(proc.stdout)
+    children = [line["child"] for line in lines if "child" in line]
+    assert len(children) == 2 and all("a forked child cannot use it" in c for c in children), lines
+    assert [line["w"] for line in lines if "w" in line] == [[2.0] * 3] * 2, lines
+    assert took < 20, took
+
+
 @pytest.mark.parametrize("ending", sorted(EXITS))
 def test_a_kvstore_never_closed_leaves_the_job_at_once(tmp_path, ending):
     proc, elapsed = _launch(tmp_path, TRAIN + EXITS[ending])
