@@ -18,6 +18,22 @@ _WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}   # compressions the rin
 class _Distributed:
     """Mixed in before the wrapped optimizer's class; see DistributedOptimizer."""
 
+    def _groups(self):
+        # Code that reads the gradients through the optimizer between backward() and step()
+        # (GradScaler.unscale_, which scaler.step(opt) calls) gets them reduced: the reduction
+        # finishes first, as if it had called synchronize(). (Stored under the same name, so torch's
+        # own __init__ and __setstate__ work unchanged.)
+        d = self.__dict__
+        handles = d.get("_handles")
+        if handles is not None and d.get("_mode") in ("sync", "allreduce") and any(h is not None for h in handles):
+            self.synchronize()
+        return d["param_groups"]
+
+    def _set_groups(self, groups):
+        self.__dict__["param_groups"] = groups
+
+    param_groups = property(_groups, _set_groups)
+
     def _setup(self, named, mode, compression, passes, kv, update_on, bucket_bytes):
         self._mode, self._kv, self._k = mode, kv, passes
         self._update_on = update_on
@@ -50,6 +66,7 @@ class _Distributed:
         self._lows = [None] * len(self._buckets)
         self._reset()
         self._skip = False
+        self._synced = False       # synchronize() has run since the last gradient: step() need not
         if compression is not None and self._wire is None:
             kv.set_gradient_compression({"type": compression} if isinstance(compression, str) else compression)
         weights = [p.detach() for p in self._params]
@@ -80,6 +97,7 @@ class _Distributed:
 
     def _reset(self):
         self._handles = [None] * len(self._buckets)
+        self._versions = [None] * len(self._buckets)   # each sent gradient's torch version counter
         self._missing = [len(members) for members in self._buckets]   # gradients each bucket waits for
         self._passes = [0] * len(self._params)
         self._next = 0                                 # the first bucket not sent yet (ordered)
@@ -88,6 +106,7 @@ class _Distributed:
 
     def _hook(self, index):
         def hook(param):
+            self._synced = False
             self._passes[index] += 1
             if self._passes[index] > self._k:
                 raise RuntimeError(f"a backward pass reached {self._names[index]!r} after its gradient was sent "
@@ -132,6 +151,9 @@ class _Distributed:
             if self._predivide != 1.0:
                 torch._foreach_div_([self._params[i].grad for i in members], self._predivide)
             grads = [self._params[i].grad for i in members]
+            if self._wire is not None or all(g.device.type == "cpu" and g.is_contiguous() for g in grads):
+                # (a reply written into a CPU gradient leaves its version as it is: a change is the caller's)
+                self._versions[b] = [g._version for g in grads]
             if self._wire is not None:
                 grads = self._lows[b] = [g.to(self._wire) for g in grads]
             return self._kv.pushpull([self._keys[i] for i in members], grads, priority=priority, async_op=True)
@@ -162,6 +184,8 @@ class _Distributed:
             if timed:
                 self._seen_synced()
             handle.wait()
+        if self._mode != "async":
+            self._check_unchanged()
         if self._wire is not None:
             with torch.no_grad():
                 for members, lows in zip(self._buckets, self._lows):
@@ -181,6 +205,22 @@ class _Distributed:
                     torch._foreach_mul_([p.grad for p in self._params], self._predivide)
             else:
                 torch._foreach_copy_([p.data for p in self._params], self._fresh)
+        self._synced = self._mode != "async"
+
+    def _check_unchanged(self):
+        """Raise if a gradient was changed in place while it was being reduced (clipped or unscaled
+        between backward() and step() without synchronize() first): the reduced values would
+        overwrite the change without a word, and every worker would step with unclipped gradients."""
+        changed = [self._names[i] for members, versions in zip(self._buckets, self._versions) if versions
+                   for i, version in zip(members, versions) if self._params[i].grad._version != version]
+        if changed:
+            self._reset()
+            raise RuntimeError(
+                f"the gradients of {', '.join(map(repr, changed[:4]))}{' ...' if len(changed) > 4 else ''} were "
+                f"changed in place while being reduced (clip_grad_norm_ or an unscale between backward() and "
+                f"step()?): the reduced values would have overwritten the change. Call opt.synchronize() "
+                f"first, then change the gradients, then opt.step() (as with Horovod: inside "
+                f"opt.skip_synchronize())")
 
     def _seen_synced(self):
         """Timeline: mark the buckets whose sync is now complete (at each hook and each wait of
@@ -213,10 +253,11 @@ class _Distributed:
             raise ValueError(f"the servers run {self._rule}, set when the optimizer was wrapped, and the "
                              f"param groups now ask for {server_optimizer(self)} (an lr schedule?); "
                              f"use update_on='worker' to change hyperparameters during training")
-        if not self._skip:
+        if not self._skip and not self._synced:
             self.synchronize()
         if self._mode != "async":
             super().step()
+        self._synced = False
         return loss
 
     step.hooked = True      # torch must not wrap this step in its hooks: the wrapped class's step runs them
@@ -237,6 +278,7 @@ class _Distributed:
                                "GAN's generator loss through its discriminator, starts their reduction too: "
                                "turn requires_grad off on them for that backward, as under Horovod)")
         self._reset()
+        self._synced = False
         super().zero_grad(set_to_none)
 
 

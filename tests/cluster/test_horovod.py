@@ -224,3 +224,52 @@ def test_sync_batchnorm_normalizes_over_every_workers_batch(cluster, servers):
         assert r["converted"] == "SyncBatchNorm", r
         for name in ("y", "dx", "dwb", "running", "eval"):
             assert r[name] < 1e-9, (name, r)
+
+
+AMP = r'''
+import json, torch, kvps.torch as hvd
+hvd.init()
+torch.set_num_threads(1)
+out = {}
+for way in ("naive", "horovod", "clip"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(prefix=way))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(hvd.rank())
+    try:
+        for step in range(6):
+            x = torch.randn(8, 6, generator=g)
+            y = (x.sum(1) > 0).long()
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+            if way == "naive":           # straight after backward, as torch's AMP recipe writes it
+                scaler.step(opt)
+            elif way == "horovod":       # Horovod's recipe
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:                        # clipped before the gradients are reduced
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                scaler.step(opt)
+            scaler.update()
+        out[way] = [p.detach().double().sum().item() for p in model.parameters()]
+    except RuntimeError as exc:
+        out[way] = str(exc)
+        opt.zero_grad()
+print(json.dumps(out), flush=True)
+'''
+
+
+@pytest.mark.parametrize("servers", [1, 0])
+def test_grad_scaler_after_backward_steps_with_reduced_gradients_and_a_racing_clip_fails(cluster, servers):
+    """torch's AMP recipe (scaler.step(opt) straight after backward) unscaled each worker's own
+    gradients while they were being reduced, then stepped with the reduced ones, still scaled: the
+    weights blew up and differed between workers (under Horovod too). Now it steps exactly as
+    Horovod's recipe does; a clip that races the reduction is a named error, not a lost clip."""
+    results = [lines[0] for lines in cluster(2, servers).run_workers(AMP, timeout=90)]
+    for r in results:
+        assert r["naive"] == r["horovod"], r
+        assert "changed in place while being reduced" in r["clip"], r
+    assert results[0]["naive"] == results[1]["naive"]

@@ -126,6 +126,60 @@ def test_misuse_is_reported():
         kt.declare("")
 
 
+def _amp_weights(naive):
+    """Weights after 4 steps with torch's GradScaler: `naive` calls scaler.step(opt) straight after
+    backward(), else the Horovod way (synchronize, unscale_, clip, step inside skip_synchronize)."""
+    model = ns["make_model"]()
+    kv = kvps.create("local")
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), kvstore=kv)
+    calls = []
+    pushpull = kv.pushpull
+    kv.pushpull = lambda *a, **k: calls.append(1) or pushpull(*a, **k)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        x, y = ns["batch"](step)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        if naive:
+            scaler.step(opt)        # its unscale_ reads the gradients through opt: reduced first
+        else:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], len(calls)
+
+
+def test_grad_scaler_step_right_after_backward_unscales_the_reduced_gradients():
+    naive, naive_calls = _amp_weights(True)
+    horovod, horovod_calls = _amp_weights(False)
+    assert all(torch.equal(a, b) for a, b in zip(naive, horovod)) and naive_calls == horovod_calls
+
+
+def test_a_gradient_changed_while_being_reduced_is_an_error_and_synchronize_first_works():
+    model = ns["make_model"]()
+    kv = kvps.create("local")
+    opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), kvstore=kv)
+    x, y = ns["batch"](0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)       # Horovod's docs: synchronize() first
+    with pytest.raises(RuntimeError, match=r"gradients of .* were changed in place while being reduced"):
+        opt.step()
+    opt.zero_grad()
+    calls = []
+    pushpull = kv.pushpull
+    kv.pushpull = lambda *a, **k: calls.append(1) or pushpull(*a, **k)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()                      # without skip_synchronize: the gradients are not reduced again
+    assert len(calls) == len(opt.buckets) and norm <= 0.0100001
+    assert all(torch.allclose(b - 0.1 * p.grad, p.detach()) for b, p in zip(before, model.parameters()))
+
+
 def test_lr_scheduler_drives_the_wrapped_optimizer():
     model = ns["make_model"]()
     opt = kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
