@@ -19,7 +19,7 @@ class Var:
     default: object
     kind: type
     meaning: str
-    alias: tuple = ()          # DMLC_* names read when `name` is unset
+    alias: tuple = ()          # DMLC_* (or Horovod's) names read when `name` is unset
 
 
 ROLES = ("scheduler", "server", "worker")
@@ -39,7 +39,8 @@ VARIABLES = (
     Var("KVPS_HEARTBEAT_INTERVAL", 1.0, float, "seconds between heartbeats to the scheduler"),
     Var("KVPS_HEARTBEAT_TIMEOUT", 10.0, float, "seconds of silence after which a node is declared dead"),
     Var("KVPS_STALL_WARNING", 60.0, float, "seconds a sync round may wait for live workers before its server "
-                                           "names them and the keys they hold up (Horovod's stall check; 0: never)"),
+                                           "names them and the keys they hold up (Horovod's stall check; 0: never)",
+        ("HOROVOD_STALL_CHECK_TIME_SECONDS",)),
     Var("KVPS_BIGARRAY_BOUND", 250_000, int, "arrays with at least this many elements are split over all servers "
                                            "(MXNet's default is 1,000,000; smaller spreads the load evenly)", ("MXNET_KVSTORE_BIGARRAY_BOUND",)),
     Var("KVPS_PARTITION_BYTES", 4 << 20, int, "a split array is cut into parts of at most this size (0: one part "
@@ -89,7 +90,7 @@ VARIABLES = (
     Var("KVPS_REPLICAS", 0, int, "chain replication: each server's key ranges are also held by the next R servers, "
                                  "so the job survives R server deaths (kvps launch --replicas; docs/replication.md)"),
     Var("KVPS_FUSION_BYTES", 64 << 20, int, "ring all-reduce packs a call's small tensors into buffers of up to "
-                                            "this size (Horovod's fusion threshold)"),
+                                            "this size (Horovod's fusion threshold)", ("HOROVOD_FUSION_THRESHOLD",)),
     Var("KVPS_RING_CHUNK_BYTES", 4 << 20, int, "ring all-reduce sends segments in chunks of this size, so "
                                                "sending and reducing overlap"),
     Var("KVPS_RING_LINK", 1, int, "1: ring neighbours that share no memory (other hosts, or KVPS_SHM=0) send chunks "

@@ -135,6 +135,8 @@ def test_config_defaults_and_dmlc_aliases():
     assert (cfg.role, cfg.scheduler, cfg.num_workers, cfg.num_servers) == ("server", ("10.0.0.1", 9091), 4, 2)
     cfg = Config.from_env({"KVPS_NUM_WORKERS": "3", "DMLC_NUM_WORKER": "4", "KVPS_SCHEDULER": "h:1"})
     assert cfg.num_workers == 3 and cfg.scheduler == ("h", 1)
+    cfg = Config.from_env({"HOROVOD_FUSION_THRESHOLD": "1048576", "HOROVOD_STALL_CHECK_TIME_SECONDS": "5"})
+    assert (cfg.fusion_bytes, cfg.stall_warning) == (1 << 20, 5.0)
 
 
 @pytest.mark.parametrize("env,message", [
