@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import sys
 import weakref
 
@@ -214,12 +215,12 @@ class KVStore(abc.ABC):
         if any(not other._closed for other in list(_LIVE)):
             gc.collect()        # a kvstore that a returned function dropped, in a cycle, leaves now
         job = _job(self.cfg)
-        if job is not None and job in _LEFT:
+        if job is not None and job in _LEFT and not _listening(self.cfg.scheduler):
             rank, kind = _LEFT[job]
             raise KVPSError(
                 f"this process was worker W{rank} of the job at {job} and left it when its {kind!r} kvstore "
-                f"was closed (or dropped); a worker that has left a job cannot join it again, and the job ends "
-                f"once every worker has left. Create one kvstore for the whole script (at module level, or "
+                f"was closed (or dropped), and that job has ended (nothing listens there now): a job ends once "
+                f"every worker has left it. Create one kvstore for the whole script (at module level, or "
                 f"once in main() and passed on) and keep it for every phase of training")
         for other in list(_LIVE):
             if not other._closed:
@@ -459,6 +460,15 @@ def _forked():
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def _listening(address, timeout=2.0):
+    """Whether anything accepts TCP connections at (host, port): a job's scheduler, old or new."""
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _job(cfg):
