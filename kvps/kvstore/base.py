@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import weakref
 
 import numpy as np
@@ -35,6 +36,7 @@ import numpy as np
 from kvps import kernels
 from kvps.arrays import Out, as_numpy, describe
 from kvps.errors import KVKeyError, KVPSError
+from kvps.wire.requests import take_front
 from kvps.wire.throttle import escape
 
 log = logging.getLogger("kvps")
@@ -149,22 +151,16 @@ class KVStore(abc.ABC):
         """Wait for every asynchronous call of this kvstore, and every push that returned early;
         raises the first one's error."""
         for queue in (self._returned, self._pending):
-            while queue:
-                queue[0].wait(timeout)
-                queue.popleft()
+            _wait_front(queue, timeout)
 
     def _wait_returned(self):
         """Wait for every push that returned early; raises the first one's error."""
-        while self._returned:
-            self._returned[0].wait()
-            self._returned.popleft()
+        _wait_front(self._returned)
 
     def _check_returned(self):
         """Raise the error of a call that already returned (the first one seen), and forget the
         ones that succeeded. Every call starts here, so no error is lost."""
-        returned = self._returned
-        while returned and returned[0].done():
-            handle = returned.popleft()
+        while (handle := take_front(self._returned, _done)) is not None:
             if not handle.succeeded():
                 try:
                     handle.wait(0)
@@ -215,7 +211,7 @@ class KVStore(abc.ABC):
         if any(not other._closed for other in list(_LIVE)):
             gc.collect()        # a kvstore that a returned function dropped, in a cycle, leaves now
         job = _job(self.cfg)
-        if job is not None and job in _LEFT and not _listening(self.cfg.scheduler):
+        if job is not None and job in _LEFT and _ended(self.cfg.scheduler):
             rank, kind = _LEFT[job]
             raise KVPSError(
                 f"this process was worker W{rank} of the job at {job} and left it when its {kind!r} kvstore "
@@ -453,6 +449,22 @@ _EXIT = {"watched": False, "exiting": False}
 MAX_REASON = 300                # characters of an exception's text that go to the other nodes
 
 
+def _done(handle):
+    return handle.done()
+
+
+def _wait_front(queue, timeout=None):
+    """Wait for each handle in `queue` in turn, forgetting it once it has completed; raises the
+    first error (that handle stays, as it did before: the next call raises it again)."""
+    while True:
+        try:
+            handle = queue[0]
+        except IndexError:
+            return
+        handle.wait(timeout)
+        take_front(queue, lambda h: h is handle)
+
+
 def _forked():
     """In a child the script forked, every kvstore is its parent's: closed here, so a call says so."""
     for kv in list(_LIVE):
@@ -462,13 +474,18 @@ def _forked():
 os.register_at_fork(after_in_child=_forked)
 
 
-def _listening(address, timeout=2.0):
-    """Whether anything accepts TCP connections at (host, port): a job's scheduler, old or new."""
-    try:
-        socket.create_connection(address, timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+def _ended(address, wait=2.0):
+    """Whether nothing accepts TCP connections at (host, port) now or within `wait` seconds: the
+    scheduler of a job that every worker has left exits at once, but it may still be closing."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic())).close()
+        except OSError:
+            return True
+        if time.monotonic() >= deadline:
+            return False        # a job runs there: the old one still, or a new one
+        time.sleep(0.05)
 
 
 def _job(cfg):

@@ -129,9 +129,27 @@ class Handle:
 def remember(pending, handle):
     """Keep an asynchronous call's handle (in the deque `pending`) for wait_all(), dropping the ones
     at the front that already succeeded, so a long run does not pile them up."""
-    while pending and pending[0].succeeded():
-        pending.popleft()
+    while take_front(pending, Handle.succeeded) is not None:
+        pass
     pending.append(handle)
+
+
+def take_front(queue, ready):
+    """Remove and return the item at the front of the deque `queue` if ready(item), else None.
+    Threads that share the queue (a script's own threads calling one kvstore) may call it at once:
+    each item is taken by one of them, and none takes an item that is not ready."""
+    while True:
+        try:
+            item = queue[0]
+        except IndexError:
+            return None
+        if not ready(item):
+            return None
+        try:
+            queue.remove(item)          # (the front, unless another thread took it first)
+            return item
+        except ValueError:
+            continue
 
 
 MAX_RESEND_INTERVAL = 10.0     # seconds: the backoff of a request that waits long (a slow sync round)

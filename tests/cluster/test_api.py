@@ -1,4 +1,5 @@
-"""The kvstore API on a real job: torch tensors of every dtype, handles, row-sparse pulls and deadlines."""
+"""The kvstore API on a real job: torch tensors of every dtype, handles, row-sparse pulls and deadlines,
+and one kvstore called from several threads of a worker."""
 
 import numpy as np
 
@@ -75,3 +76,39 @@ def test_async_handles_row_sparse_and_deadlines(cluster):
     for rank, (line,) in enumerate(results):
         assert line["ok"] and line["rs"], line
     assert "waiting at a barrier of workers: no reply from H within 1 s" in results[0][0]["timeout"]
+
+
+THREADS = r'''
+import json, threading, numpy as np, kvps
+kv = kvps.create("dist_sync")
+shapes = [(1000,), (5,), (300, 300), (64,), (2000,), (7,), (100, 100), (3,)]
+keys = list(range(len(shapes)))
+kv.init(keys, [np.zeros(s, np.float32) for s in shapes])
+errors, seen = [], []
+def work(mine):                 # each thread its own keys, as a pipeline stage's thread would have
+    try:
+        for step in range(40):
+            for k in mine:
+                kv.push(k, np.ones(shapes[k], np.float32))          # returns early
+            for k in mine:
+                out = np.zeros(shapes[k], np.float32)
+                kv.pull(k, out=out)
+                seen.append(float(out.min()) == float(out.max()) == 2.0)
+            kv.pushpull(mine[0], np.ones(shapes[mine[0]], np.float32), async_op=True).wait(30)
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=work, args=(keys[i::4],)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+print(json.dumps({"errors": errors, "right": sum(seen), "pulls": len(seen)}), flush=True)
+'''
+
+
+def test_threads_of_one_worker_share_its_kvstore(cluster):
+    """Calls from several threads: a push's handle that one thread took from the early-returned list
+    was also taken by another, which then waited 0 s on a handle not done and reported a failure
+    (no reply within 0 s) that never happened."""
+    for (line,) in cluster(2, 2).run_workers(THREADS, timeout=90):
+        assert line == {"errors": [], "right": 40 * 8, "pulls": 40 * 8}, line

@@ -119,3 +119,25 @@ def test_a_request_read_out_of_server_memory_is_waited_for_by_the_next_call_on_i
     assert order.route(["j"], None) is None and io.done()       # waited on the same path too
     assert order.route(["i"], None) is None                     # a plain request is not waited for
     timer.join()
+
+
+def test_take_front_gives_each_ready_item_to_one_thread_only():
+    """Threads taking from one deque of handles: each ready item is taken once, none that is not
+    ready, and the order of what is left is kept."""
+    import collections
+    import threading
+    from kvps.wire.requests import take_front
+    for _ in range(20):
+        queue = collections.deque(range(2000))
+        taken = [[] for _ in range(4)]
+
+        def take(mine):
+            while (item := take_front(queue, lambda i: i < 1500)) is not None:
+                mine.append(item)
+        threads = [threading.Thread(target=take, args=(t,)) for t in taken]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        got = sorted(i for t in taken for i in t)
+        assert got == list(range(1500)) and list(queue) == list(range(1500, 2000))
