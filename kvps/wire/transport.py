@@ -18,6 +18,7 @@ times: after stop(), `send` and `connect` from other threads raise KVPSError
 naming the node, and `reply` is dropped (its client is being abandoned anyway).
 """
 import collections
+import errno
 import heapq
 import itertools
 import logging
@@ -36,7 +37,7 @@ from kvps.wire.auth import Curve
 from kvps.wire.protocol import Op
 from kvps.wire.schedule import Schedule
 from kvps.wire.throttle import LogThrottle, escape
-from kvps.errors import KVPSError, ProtocolError, describe, error_kind
+from kvps.errors import ConfigError, KVPSError, ProtocolError, describe, error_kind
 
 log = logging.getLogger("kvps.transport")
 
@@ -141,7 +142,17 @@ class Van:
         sock.setsockopt(zmq.RCVHWM, self._peer_queue)
         sock.setsockopt(zmq.SNDHWM, self._peer_queue)
         if port:
-            sock.bind(f"tcp://{host}:{port}")
+            try:
+                sock.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                self._poller.unregister(self._monitor)
+                sock.disable_monitor()
+                self._monitor.close(0)
+                sock.close(0)
+                self._monitor = self._gate = None
+                hint = (" (another job's scheduler or server, or one that has not exited yet?): choose another "
+                        "port, or 0 for any free one" if exc.errno == errno.EADDRINUSE else "")
+                raise ConfigError(f"{self.name}: cannot listen on {host}:{port}: {os.strerror(exc.errno)}{hint}") from None
             self.port = port
         else:
             self.port = sock.bind_to_random_port(f"tcp://{host}")

@@ -329,3 +329,21 @@ def test_call_later_runs_once_on_the_io_thread_in_order_and_not_before_it_is_due
         van.stop()
     van.call_later(0.0, lambda: None)              # after stop: dropped, no error
     assert escaped == []
+
+
+def test_a_port_in_use_is_a_config_error_naming_it():
+    """MXNet launch scripts name a fixed port (DMLC_PS_ROOT_PORT): one still held by an earlier job
+    is a one-line error with the port and what to do, not a zmq traceback."""
+    from kvps.errors import ConfigError
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    van = Van("H", lambda *a: None)
+    try:
+        with pytest.raises(ConfigError, match=rf"H: cannot listen on 127.0.0.1:{port}: Address already in use "
+                                              r"\(another job's scheduler or server"):
+            van.bind("127.0.0.1", port)
+    finally:
+        van.stop()
+        held.close()
