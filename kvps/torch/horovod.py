@@ -314,9 +314,34 @@ def synchronize(handle):
 
 
 def allreduce(tensor, average=None, name=None, op=None, compression=None):
-    """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce)."""
+    """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce).
+    Differentiable, as Horovod's: the gradient is reduced the same way."""
     exact(compression, "hvd.allreduce")
+    if _differentiable(tensor):
+        return _Allreduce.apply(tensor, average, name, op)
     return allreduce_(tensor.detach().clone(), average, name, op)
+
+
+def _differentiable(tensor):
+    return torch.is_tensor(tensor) and tensor.requires_grad and torch.is_grad_enabled()
+
+
+def _grad_name(name):
+    return None if name is None else f"{name}/grad"
+
+
+class _Allreduce(torch.autograd.Function):
+    """hvd.allreduce on a tensor that needs a gradient: backward reduces the gradient with the same
+    op (Horovod's HorovodAllreduce)."""
+
+    @staticmethod
+    def forward(ctx, tensor, average, name, op):
+        ctx.average, ctx.name, ctx.op = average, name, op
+        return allreduce_(tensor.detach().clone(), average, name, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce_(grad.detach().clone(), ctx.average, _grad_name(ctx.name), ctx.op), None, None, None
 
 
 def _gather(tensor, name):
@@ -340,8 +365,30 @@ def _gather(tensor, name):
 
 def allgather(tensor, name=None):
     """Every worker's `tensor` concatenated along the first dimension, in rank order (Horovod's
-    hvd.allgather: the first dimension may differ between workers, the others must not)."""
+    hvd.allgather: the first dimension may differ between workers, the others must not).
+    Differentiable, as Horovod's: each worker's gradient is its rows of the workers' averaged one."""
+    if _differentiable(tensor):
+        return _Allgather.apply(tensor, name)
     return _gather(tensor, name)[0].to(tensor.device)
+
+
+class _Allgather(torch.autograd.Function):
+    """hvd.allgather on a tensor that needs a gradient (a contrastive loss over every worker's
+    batch): backward averages the gathered gradient over the workers and keeps this worker's rows
+    (Horovod's HorovodAllgather)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        out, rows = _gather(tensor, name)
+        rank_ = _kv().rank
+        ctx.name, ctx.shape = name, tensor.shape
+        ctx.start, ctx.rows = sum(rows[:rank_]), rows[rank_]
+        return out.to(tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce_(grad.detach().clone(), name=_grad_name(ctx.name), op=Average)
+        return reduced.narrow(0, ctx.start, ctx.rows).reshape(ctx.shape), None
 
 
 def allgather_object(obj, name=None):
@@ -365,8 +412,27 @@ def broadcast_(tensor, root_rank, name=None):
 
 
 def broadcast(tensor, root_rank, name=None):
-    """root_rank's `tensor`, as a new tensor on every worker."""
+    """root_rank's `tensor`, as a new tensor on every worker. Differentiable, as Horovod's: the root
+    gets the workers' averaged gradient, the others zeros."""
+    if _differentiable(tensor):
+        return _Broadcast.apply(tensor, root_rank, name)
     return broadcast_(tensor.detach().clone(), root_rank, name)
+
+
+class _Broadcast(torch.autograd.Function):
+    """hvd.broadcast on a tensor that needs a gradient (Horovod's HorovodBroadcast)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root, ctx.name = root_rank, name
+        return broadcast_(tensor.detach().clone(), root_rank, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce_(grad.detach().clone(), name=_grad_name(ctx.name), op=Average)
+        if _kv().rank != ctx.root:
+            reduced.zero_()
+        return reduced, None, None
 
 
 def broadcast_object(obj, root_rank=0, name=None):

@@ -273,3 +273,37 @@ def test_grad_scaler_after_backward_steps_with_reduced_gradients_and_a_racing_cl
         assert r["naive"] == r["horovod"], r
         assert "changed in place while being reduced" in r["clip"], r
     assert results[0]["naive"] == results[1]["naive"]
+
+
+GRADS = r'''
+import json, torch, kvps.torch as hvd
+hvd.init()
+r, W = hvd.rank(), hvd.size()
+x = torch.full((r + 1, 2), float(r + 1), requires_grad=True)      # 1 and 2 rows: uneven, as batches end
+g = hvd.allgather(x * 2, name="emb")
+(g ** 2).sum().backward()
+y = torch.full((3,), float(r + 1), requires_grad=True)
+hvd.allreduce(y * 3, op=hvd.Sum).sum().backward()
+z = torch.full((2,), float(r + 1), requires_grad=True)
+(hvd.broadcast(z, root_rank=1) * 5).sum().backward()
+with torch.no_grad():
+    plain = hvd.allgather(x).requires_grad
+print(json.dumps({"gathered": g.tolist(), "dx": x.grad.tolist(), "dy": y.grad.tolist(), "dz": z.grad.tolist(),
+                  "plain": plain}), flush=True)
+'''
+
+
+def test_allgather_allreduce_and_broadcast_are_differentiable_as_horovods(cluster):
+    """A contrastive loss over every worker's batch (hvd.allgather of embeddings) failed at
+    backward(): the results had no gradient. Now they have Horovod's: allgather's is this worker's
+    rows of the averaged gathered gradient, allreduce's the gradient reduced with the same op,
+    broadcast's the averaged gradient at the root and zeros elsewhere."""
+    results = [lines[0] for lines in cluster(2, 1).run_workers(GRADS, timeout=90)]
+    gathered = [[2.0, 2.0], [4.0, 4.0], [4.0, 4.0]]
+    for r, res in enumerate(results):
+        assert res["gathered"] == gathered, res
+        # loss = sum(g^2) on every worker: dL/dg = 2g, averaged over 2 identical workers, times 2
+        assert res["dx"] == [[8.0 * (r + 1)] * 2] * (r + 1), res
+        assert res["dy"] == [6.0] * 3, res                 # d/dy of sum(sum_w 3 y_w), summed again
+        assert res["dz"] == ([5.0] * 2 if r == 1 else [0.0] * 2), res
+        assert res["plain"] is False
