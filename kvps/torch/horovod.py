@@ -1,6 +1,6 @@
 """Horovod's process API on kvps, so `import kvps.torch as hvd` runs a horovod.torch script:
 hvd.init(), rank(), size(), local_rank(), local_size(), allreduce, allgather, broadcast,
-broadcast_object, allgather_object, Compression, Average, Sum, Min, Max and Product (DistributedOptimizer, broadcast_parameters,
+broadcast_object, allgather_object, alltoall, reducescatter, Compression, Average, Sum, Min, Max and Product (DistributedOptimizer, broadcast_parameters,
 broadcast_optimizer_state and join are kvps.torch's own, with Horovod's arguments).
 
 Collectives are named by the tensor's `name` (Horovod's name=) or, without one, by its dtype
@@ -389,6 +389,83 @@ class _Allgather(torch.autograd.Function):
     def backward(ctx, grad):
         reduced = allreduce_(grad.detach().clone(), name=_grad_name(ctx.name), op=Average)
         return reduced.narrow(0, ctx.start, ctx.rows).reshape(ctx.shape), None
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Horovod's hvd.alltoall: rows splits[i] of `tensor` (along the first dimension, in order) go to
+    worker i, and this worker gets the rows every worker sent it, in rank order. Without splits the
+    first dimension is cut into equal parts, one per worker. Returns the rows; given splits, also the
+    number received from each worker (an int32 tensor). Differentiable, as Horovod's. Built on
+    allgather: every worker receives every worker's tensor (the workers' count times its bytes), so
+    it suits routing tables and small exchanges, not the bulk of a mixture of experts."""
+    if _differentiable(tensor):
+        return _Alltoall.apply(tensor, splits, name)
+    output, received = _alltoall(tensor, splits, name)
+    return output if splits is None else (output, received)
+
+
+def _alltoall(tensor, splits, name):
+    kv = _summing_kv("alltoall", tensor)
+    workers, me = kv.num_workers, kv.rank
+    value = tensor.detach()
+    if value.dim() == 0:
+        raise ValueError("hvd.alltoall takes a tensor of at least one dimension (its rows are sent)")
+    n = value.shape[0]
+    if splits is None:
+        if n % workers:
+            raise ValueError(f"hvd.alltoall without splits cuts the first dimension ({n}) into {workers} equal "
+                             f"parts, one per worker: it must divide (or give splits=)")
+        send = [n // workers] * workers
+    else:
+        send = [int(x) for x in (splits.tolist() if torch.is_tensor(splits) else splits)]
+        if len(send) != workers or min(send) < 0 or sum(send) != n:
+            raise ValueError(f"hvd.alltoall splits={send} must be {workers} counts >= 0 (one per worker) that add "
+                             f"up to the first dimension ({n})")
+    tag = name if name is not None else _dtype_name(value) + str(list(value.shape[1:]))
+    matrix, _ = _gather(torch.tensor([send], dtype=torch.int64), f"alltoall/{tag}/splits")    # [sender][receiver]
+    rows, counts = _gather(value, f"alltoall/{tag}")
+    parts, start = [], 0
+    for sender in range(workers):
+        offset = start + int(matrix[sender, :me].sum())
+        parts.append(rows[offset:offset + int(matrix[sender, me])])
+        start += counts[sender]
+    return torch.cat(parts).to(tensor.device), matrix[:, me].to(torch.int32)
+
+
+class _Alltoall(torch.autograd.Function):
+    """hvd.alltoall on a tensor that needs a gradient: backward sends each row's gradient back to
+    the worker it came from (an alltoall with the received counts as splits), as Horovod's."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        output, received = _alltoall(tensor, splits, name)
+        ctx.received, ctx.name = received, name
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        back, _ = _alltoall(grad.detach().contiguous(), ctx.received, _grad_name(ctx.name))
+        return back, None, None
+
+
+def reducescatter(tensor, name=None, op=None, compression=None):
+    """Horovod's hvd.reducescatter: the sum (op=hvd.Sum) or mean (hvd.Average, the default) of
+    `tensor` over every worker, of which this worker keeps its part of the first dimension: equal
+    parts, the first (rows % workers) workers one row more. Built on allreduce (the whole tensor
+    travels); not differentiable."""
+    exact(compression, "hvd.reducescatter")
+    kv = _summing_kv("reducescatter", tensor)
+    if tensor.dim() == 0:
+        raise ValueError("hvd.reducescatter takes a tensor of at least one dimension (its rows are scattered)")
+    whole = allreduce_(tensor.detach().clone(), name=None if name is None else f"reducescatter/{name}",
+                       op=Average if op is None else op)
+    rows, workers, me = tensor.shape[0], kv.num_workers, kv.rank
+    base, extra = divmod(rows, workers)
+    start = me * base + min(me, extra)
+    return whole[start:start + base + (me < extra)].clone()
 
 
 def allgather_object(obj, name=None):

@@ -307,3 +307,39 @@ def test_allgather_allreduce_and_broadcast_are_differentiable_as_horovods(cluste
         assert res["dy"] == [6.0] * 3, res                 # d/dy of sum(sum_w 3 y_w), summed again
         assert res["dz"] == ([5.0] * 2 if r == 1 else [0.0] * 2), res
         assert res["plain"] is False
+
+
+ALLTOALL = r'''
+import json, torch, kvps.torch as hvd
+hvd.init()
+r = hvd.rank()
+x = torch.arange(8, dtype=torch.float32).reshape(4, 2) + 100 * r
+out = {"equal": hvd.alltoall(x).tolist()}
+splits = [1, 3] if r == 0 else [2, 0]                      # W1 sends nothing to itself
+rows, received = hvd.alltoall(x[:sum(splits)], splits=torch.tensor(splits, dtype=torch.int32), name="routed")
+out["split"], out["received"] = rows.tolist(), received.tolist()
+y = x.clone().requires_grad_(True)
+o = hvd.alltoall(y * (r + 1), name="grad")
+(o * torch.arange(8.0).reshape(4, 2)).sum().backward()
+out["grad"] = y.grad.tolist()
+out["scattered"] = hvd.reducescatter(torch.arange(5.0) * (r + 1), op=hvd.Sum).tolist()
+out["mean"] = hvd.reducescatter(torch.full((4, 1), 2.0 * (r + 1))).reshape(-1).tolist()
+try:
+    hvd.alltoall(torch.ones(3, 2))
+except ValueError as exc:
+    out["refused"] = str(exc)
+print(json.dumps(out), flush=True)
+'''
+
+
+def test_alltoall_and_reducescatter_as_horovods(cluster):
+    """Horovod's alltoall (equal parts or splits, the counts received, and its gradient sent back
+    where each row came from) and reducescatter (the first rows % workers workers one row more)."""
+    a, b = [lines[0] for lines in cluster(2, 0).run_workers(ALLTOALL, timeout=90)]
+    assert a["equal"] == [[0, 1], [2, 3], [100, 101], [102, 103]] and b["equal"] == [[4, 5], [6, 7], [104, 105], [106, 107]]
+    assert (a["split"], a["received"]) == ([[0, 1], [100, 101], [102, 103]], [1, 2]), a
+    assert (b["split"], b["received"]) == ([[2, 3], [4, 5], [6, 7]], [3, 0]), b
+    assert a["grad"] == [[0, 1], [2, 3], [0, 1], [2, 3]] and b["grad"] == [[8, 10], [12, 14], [8, 10], [12, 14]]
+    assert (a["scattered"], b["scattered"]) == ([0, 3, 6], [9, 12])
+    assert (a["mean"], b["mean"]) == ([3, 3], [3, 3])
+    assert "cuts the first dimension (3) into 2 equal parts" in a["refused"], a
