@@ -31,7 +31,7 @@ import torch  # noqa: F401  (kvps.torch.torch is the real torch: see the docstri
 from kvps.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from kvps.torch.byteps import (declare, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace)
 from kvps.torch.horovod import (Adasum, Average, Compression, Max, Min, Product, Sum, allgather, allgather_object, allreduce,
-                                alltoall, reducescatter,
+                                alltoall, global_process_set, reducescatter,
                                 allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
                                 broadcast_object, cross_rank, cross_size, gloo_built, gloo_enabled, grouped_allreduce,
                                 grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
@@ -53,7 +53,7 @@ __all__ = ["init", "join", "broadcast_parameters", "broadcast_optimizer_state", 
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_object", "barrier",
-           "alltoall", "reducescatter",
+           "alltoall", "reducescatter", "global_process_set",
            "Compression", "Average", "Sum", "Adasum", "Min", "Max", "Product", "nccl_built", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "elastic", "SyncBatchNorm",
            # BytePS's (kvps/torch/byteps.py): import kvps.torch as bps

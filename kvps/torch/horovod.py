@@ -184,9 +184,10 @@ class Pending:
     """An allreduce on its way (Horovod's handle, from allreduce_async_): poll(handle) says whether
     it is done, synchronize(handle) waits and gives the tensor."""
 
-    def __init__(self, handle, tensor, value, work, mean, workers):
+    def __init__(self, handle, tensor, value, work, mean, workers, post=1.0):
         self.handle, self.tensor, self._value, self._work, self._mean, self._workers = \
             handle, tensor, value, work, mean, workers
+        self._post = post                   # Horovod's postscale_factor
         self._finished = False
 
     def done(self):
@@ -198,18 +199,28 @@ class Pending:
             work = self._work
             if self._mean and self._workers > 1:
                 work.div_(self._workers) if work.is_floating_point() else work.floor_divide_(self._workers)
+            if self._post != 1.0:
+                work.mul_(self._post)
             if work is not self._value:
                 self._value.copy_(work)
             self._finished = True
         return self.tensor
 
 
-def _start(tensor, average, name, op, priority=0):
-    """Send `tensor`'s sum over every worker on its way: a Pending."""
+def _start(tensor, average, name, op, priority=0, prescale=1.0, postscale=1.0, process_set=None):
+    """Send `tensor`'s sum over every worker on its way: a Pending. prescale and postscale are
+    Horovod's prescale_factor and postscale_factor: the tensor is multiplied by the one before the
+    reduction, and the result by the other after it (and after an average's division)."""
+    _whole_job(process_set)
     if op in GATHERED:
         if average is not None:
             raise ValueError("give op= or average=, not both (average= is Horovod's older spelling)")
-        return _by_gather(tensor, name, op)
+        if prescale != 1.0:
+            tensor.detach().mul_(prescale)
+        pending = _by_gather(tensor, name, op)
+        if postscale != 1.0:
+            tensor.detach().mul_(postscale)
+        return pending
     mean = reduction(op, average)
     kv = _summing_kv("allreduce", tensor)
     value = tensor.detach()
@@ -228,8 +239,10 @@ def _start(tensor, average, name, op, priority=0):
     elif declared[key] != (work.dtype, tuple(work.shape)):
         raise ValueError(f"hvd.allreduce name={name!r} was {declared[key][0]} {declared[key][1]} and is now "
                          f"{work.dtype} {tuple(work.shape)}: give each tensor its own name")
+    if prescale != 1.0:
+        work.mul_(prescale)
     handle = kv.pushpull(key, work, out=work, priority=priority, async_op=True)
-    return Pending(handle, tensor, value, work, mean, kv.num_workers)
+    return Pending(handle, tensor, value, work, mean, kv.num_workers, postscale)
 
 
 def _by_gather(tensor, name, op):
@@ -243,20 +256,23 @@ def _by_gather(tensor, name, op):
     return Pending(Handle.completed(f"an allreduce ({op!r})"), tensor, value, value, False, 1)
 
 
-def allreduce_(tensor, average=None, name=None, op=None):
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=None):
     """Sum or average `tensor` over every worker, in place; returns it."""
-    return _start(tensor, average, name, op).result()
+    return _start(tensor, average, name, op, 0, prescale_factor, postscale_factor, process_set).result()
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None):
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=None):
     """allreduce_ without waiting: a handle for poll() and synchronize(), which gives `tensor`
     (summed or averaged in place). Every worker must start the same allreduces in the same order."""
-    return _start(tensor, average, name, op)
+    return _start(tensor, average, name, op, 0, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None):
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=None):
     """allreduce without waiting: synchronize(handle) gives the result as a new tensor."""
-    return _start(tensor.detach().clone(), average, name, op)
+    return _start(tensor.detach().clone(), average, name, op, 0, prescale_factor, postscale_factor, process_set)
 
 
 class Group:
@@ -273,33 +289,40 @@ class Group:
         return [p.result() for p in self.pending]
 
 
-def _group(tensors, average, name, op):
+def _group(tensors, average, name, op, *scales):
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"grouped_allreduce takes a list of tensors, not a {type(tensors).__name__}")
-    return Group([_start(t, average, None if name is None else f"{name}.{i}", op) for i, t in enumerate(tensors)])
+    return Group([_start(t, average, None if name is None else f"{name}.{i}", op, 0, *scales)
+                  for i, t in enumerate(tensors)])
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None):
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                             process_set=None):
     """Horovod's grouped allreduce without waiting: every tensor summed or averaged in place; a handle
     for poll() and synchronize(), which gives the list."""
-    return _group(tensors, average, name, op)
+    return _group(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None):
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=None):
     """Sum or average every tensor of the list over every worker, in place; returns the list."""
-    return _group(tensors, average, name, op).result()
+    return _group(tensors, average, name, op, prescale_factor, postscale_factor, process_set).result()
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None):
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=None):
     """grouped_allreduce without waiting: synchronize(handle) gives the results as new tensors."""
-    return _group([t.detach().clone() for t in tensors], average, name, op)
+    return _group([t.detach().clone() for t in tensors], average, name, op, prescale_factor, postscale_factor,
+                  process_set)
 
 
-def grouped_allreduce(tensors, average=None, name=None, op=None, compression=None):
+def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=None):
     """The sums or averages of a list of tensors over every worker, as new tensors (Horovod's
-    hvd.grouped_allreduce: one call for many tensors)."""
+    hvd.grouped_allreduce: one call for many tensors; its arguments, in its order)."""
     exact(compression, "hvd.grouped_allreduce")
-    return grouped_allreduce_async(tensors, average, name, op).result()
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_set).result()
 
 
 def poll(handle):
@@ -313,13 +336,40 @@ def synchronize(handle):
     return handle.result()
 
 
-def allreduce(tensor, average=None, name=None, op=None, compression=None):
-    """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce).
-    Differentiable, as Horovod's: the gradient is reduced the same way."""
+def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=None):
+    """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce,
+    its arguments in its order). Differentiable, as Horovod's: the gradient is reduced the same way."""
     exact(compression, "hvd.allreduce")
+    scales = (prescale_factor, postscale_factor, process_set)
     if _differentiable(tensor):
-        return _Allreduce.apply(tensor, average, name, op)
-    return allreduce_(tensor.detach().clone(), average, name, op)
+        return _Allreduce.apply(tensor, average, name, op, scales)
+    return allreduce_(tensor.detach().clone(), average, name, op, *scales)
+
+
+class _WholeJob:
+    """Horovod's global process set, the only one kvps has: every worker of the job."""
+
+    def rank(self):
+        return _kv().rank
+
+    def size(self):
+        return _kv().num_workers
+
+    def included(self):
+        return True
+
+    def __repr__(self):
+        return "hvd.global_process_set"
+
+
+global_process_set = _WholeJob()
+
+
+def _whole_job(process_set):
+    if process_set is not None and process_set is not global_process_set:
+        raise NotImplementedError(f"process_set={process_set!r}: kvps has no process sets; its collectives "
+                                  f"span every worker of the job (hvd.global_process_set)")
 
 
 def _differentiable(tensor):
@@ -335,13 +385,14 @@ class _Allreduce(torch.autograd.Function):
     op (Horovod's HorovodAllreduce)."""
 
     @staticmethod
-    def forward(ctx, tensor, average, name, op):
-        ctx.average, ctx.name, ctx.op = average, name, op
-        return allreduce_(tensor.detach().clone(), average, name, op)
+    def forward(ctx, tensor, average, name, op, scales):
+        ctx.average, ctx.name, ctx.op, ctx.scales = average, name, op, scales
+        return allreduce_(tensor.detach().clone(), average, name, op, *scales)
 
     @staticmethod
     def backward(ctx, grad):
-        return allreduce_(grad.detach().clone(), ctx.average, _grad_name(ctx.name), ctx.op), None, None, None
+        reduced = allreduce_(grad.detach().clone(), ctx.average, _grad_name(ctx.name), ctx.op, *ctx.scales)
+        return reduced, None, None, None, None
 
 
 def _gather(tensor, name):

@@ -328,13 +328,19 @@ try:
     hvd.alltoall(torch.ones(3, 2))
 except ValueError as exc:
     out["refused"] = str(exc)
+t = torch.full((3,), float(r + 1))
+out["scaled"] = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).tolist()
+out["positional"] = hvd.allreduce(t, None, "pos", hvd.Compression.none, hvd.Average).tolist()    # Horovod's order
+out["group"] = hvd.grouped_allreduce([t, 2 * t], op=hvd.Sum, postscale_factor=10.0)[1].tolist()
+out["set"] = hvd.global_process_set.size()
 print(json.dumps(out), flush=True)
 '''
 
 
-def test_alltoall_and_reducescatter_as_horovods(cluster):
+def test_alltoall_reducescatter_and_allreduce_scaling_as_horovods(cluster):
     """Horovod's alltoall (equal parts or splits, the counts received, and its gradient sent back
-    where each row came from) and reducescatter (the first rows % workers workers one row more)."""
+    where each row came from), reducescatter (the first rows % workers workers one row more), and
+    allreduce's prescale_factor and postscale_factor, with its arguments in Horovod's order."""
     a, b = [lines[0] for lines in cluster(2, 0).run_workers(ALLTOALL, timeout=90)]
     assert a["equal"] == [[0, 1], [2, 3], [100, 101], [102, 103]] and b["equal"] == [[4, 5], [6, 7], [104, 105], [106, 107]]
     assert (a["split"], a["received"]) == ([[0, 1], [100, 101], [102, 103]], [1, 2]), a
@@ -343,3 +349,6 @@ def test_alltoall_and_reducescatter_as_horovods(cluster):
     assert (a["scattered"], b["scattered"]) == ([0, 3, 6], [9, 12])
     assert (a["mean"], b["mean"]) == ([3, 3], [3, 3])
     assert "cuts the first dimension (3) into 2 equal parts" in a["refused"], a
+    for res in (a, b):
+        assert res["scaled"] == [3.0] * 3 and res["positional"] == [1.5] * 3 and res["group"] == [60.0] * 3, res
+        assert res["set"] == 2
