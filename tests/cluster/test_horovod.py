@@ -262,13 +262,12 @@ print(json.dumps(out), flush=True)
 '''
 
 
-@pytest.mark.parametrize("servers", [1, 0])
-def test_grad_scaler_after_backward_steps_with_reduced_gradients_and_a_racing_clip_fails(cluster, servers):
+def test_grad_scaler_after_backward_steps_with_reduced_gradients_and_a_racing_clip_fails(cluster):
     """torch's AMP recipe (scaler.step(opt) straight after backward) unscaled each worker's own
     gradients while they were being reduced, then stepped with the reduced ones, still scaled: the
     weights blew up and differed between workers (under Horovod too). Now it steps exactly as
     Horovod's recipe does; a clip that races the reduction is a named error, not a lost clip."""
-    results = [lines[0] for lines in cluster(2, servers).run_workers(AMP, timeout=90)]
+    results = [lines[0] for lines in cluster(2, 1).run_workers(AMP, timeout=90)]
     for r in results:
         assert r["naive"] == r["horovod"], r
         assert "changed in place while being reduced" in r["clip"], r
