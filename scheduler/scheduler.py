@@ -457,7 +457,7 @@ class Scheduler:
         self.van.reply(member.routing_id, Header(Op.ACK, header.id, "H"))
         if member.state == "alive":
             member.state = "left"
-            reason = header.meta.get("reason")         # a script that raised (kvps.kvstore.base.exit_reason)
+            reason = header.meta.get("reason")         # a script that raised (kvps.kvstore.process.exit_reason)
             if reason and self._ending is not None:
                 # the job has already failed, and this worker's script raised because of it (the
                 # NodeFailure it was sent): the culprit is already named

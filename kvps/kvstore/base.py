@@ -12,32 +12,25 @@ returns. Calls on the same key keep their order. An error of a call that already
 raised by the next call, by wait_all() and by close(), naming the call.
 
 A kvstore leaves its job however the process ends: close(), the kvstore going out of scope,
-interpreter exit, sys.exit or an uncaught exception (weakref.finalize, which holds the node, not
-the kvstore).
+interpreter exit, sys.exit or an uncaught exception (kvps/kvstore/process.py).
 
 This module holds what every kvstore shares: argument normalisation and the
 checks of keys, shapes and dtypes against what init declared, so every kvstore
 reports bad input the same way before anything is sent.
 """
 import abc
-import atexit
 import collections
 import dataclasses
-import gc
 import logging
 import os
-import socket
-import sys
-import time
-import weakref
 
 import numpy as np
 
 from kvps import kernels
 from kvps.arrays import Out, as_numpy, describe
 from kvps.errors import KVKeyError, KVPSError
+from kvps.kvstore import process
 from kvps.wire.requests import take_front
-from kvps.wire.throttle import escape
 
 log = logging.getLogger("kvps")
 
@@ -193,7 +186,7 @@ class KVStore(abc.ABC):
         finally:
             if self._finalizer is not None:
                 self._finalizer()        # leaves once, now
-            _LIVE.discard(self)
+            process.LIVE.discard(self)
 
     def _healthy(self):
         return True
@@ -207,40 +200,15 @@ class KVStore(abc.ABC):
 
     def _claim_process(self):
         """Refuse a second member of a job in one process, and a return to a job this process has
-        left (call before starting a node, with self.cfg set)."""
-        if any(not other._closed for other in list(_LIVE)):
-            gc.collect()        # a kvstore that a returned function dropped, in a cycle, leaves now
-        job = _job(self.cfg)
-        if job is not None and job in _LEFT and _ended(self.cfg.scheduler):
-            rank, kind = _LEFT[job]
-            raise KVPSError(
-                f"this process was worker W{rank} of the job at {job} and left it when its {kind!r} kvstore "
-                f"was closed (or dropped), and that job has ended (nothing listens there now): a job ends once "
-                f"every worker has left it. Create one kvstore for the whole script (at module level, or "
-                f"once in main() and passed on) and keep it for every phase of training")
-        for other in list(_LIVE):
-            if not other._closed:
-                raise KVPSError(
-                    f"this process is already worker W{other.rank} of the job through its {other.type!r} "
-                    f"kvstore; a process is one worker of one job, so create one kvstore per process and "
-                    f"use it for every call (its pushpull sums over workers like an all-reduce), instead "
-                    f"of creating {self.type!r}")
+        left (call before starting a node, with self.cfg set): kvps/kvstore/process.py."""
+        process.claim(self)
 
     def _join_job(self, node, leave, send=None):
         """Register this kvstore as the process's member of the job (its node has started).
         `leave()` runs once: on close(), when the kvstore is collected, or at interpreter exit
         (after `send()`, which sends what waits to be sent, and after the pending calls finish).
         Neither `node` nor `leave` may refer to the kvstore, or it could never be collected."""
-        _LIVE.add(self)
-        job, left, rank, kind = _job(self.cfg), _LEFT, node.rank, self.type
-
-        def leave_for_good(reason=None):
-            left[job] = (rank, kind)
-            leave(reason)
-        self._finalizer = weakref.finalize(self, _farewell, self._returned, self._pending,
-                                           lambda: node.failure is None, leave_for_good, self.type, send,
-                                           os.getpid())
-        _watch_exit()
+        self._finalizer = process.join(self, node, leave, send)
 
     # ---- checkpoints (docs/checkpoint.md): the parameter-server kvstores hold state to save ----
     def save(self, path, dump_optimizer=False):
@@ -443,12 +411,6 @@ class KVStore(abc.ABC):
         return out
 
 
-_LIVE = weakref.WeakSet()       # kvstores of this process that are members of a job
-_LEFT = {}                      # the jobs this process has left (scheduler address) -> (rank, kvstore type)
-_EXIT = {"watched": False, "exiting": False}
-MAX_REASON = 300                # characters of an exception's text that go to the other nodes
-
-
 def _done(handle):
     return handle.done()
 
@@ -463,76 +425,3 @@ def _wait_front(queue, timeout=None):
             return
         handle.wait(timeout)
         take_front(queue, lambda h: h is handle)
-
-
-def _forked():
-    """In a child the script forked, every kvstore is its parent's: closed here, so a call says so."""
-    for kv in list(_LIVE):
-        kv._closed = True
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
-def _ended(address, wait=2.0):
-    """Whether nothing accepts TCP connections at (host, port) now or within `wait` seconds: the
-    scheduler of a job that every worker has left exits at once, but it may still be closing."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic())).close()
-        except OSError:
-            return True
-        if time.monotonic() >= deadline:
-            return False        # a job runs there: the old one still, or a new one
-        time.sleep(0.05)
-
-
-def _job(cfg):
-    """A job's name: its scheduler's address."""
-    address = getattr(cfg, "scheduler", None)
-    return None if address is None else f"{address[0]}:{address[1]}"
-
-
-def _watch_exit():
-    """Note when the interpreter starts to exit. Registered after the first kvstore's
-    weakref.finalize (which registers its own exit hook first), so it runs before the farewells:
-    atexit runs its hooks last registered first."""
-    if not _EXIT["watched"]:
-        _EXIT["watched"] = True
-        atexit.register(_EXIT.__setitem__, "exiting", True)
-
-
-def exit_reason():
-    """Why this process leaves its job, when it is because its script raised: "its script failed:
-    RuntimeError: ..." (the exception Python just printed, sys.last_value), else None. Only at
-    interpreter exit: an interactive session keeps sys.last_value after any error."""
-    exc = getattr(sys, "last_value", None)
-    if not _EXIT["exiting"] or exc is None:
-        return None
-    return "its script failed: " + escape(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
-                                          MAX_REASON)
-
-
-def _farewell(returned, pending, healthy, leave, kind, send=None, pid=None):
-    """A kvstore's last act (weakref.finalize): finish its calls, report any error, leave the job.
-    Not in a child that the script forked (os.fork, then sys.exit): the kvstore is its parent's,
-    whose job it would leave, through connections and threads the child does not have."""
-    if pid is not None and os.getpid() != pid:
-        return
-    try:
-        if healthy():
-            if send is not None:
-                try:
-                    send()
-                except Exception as exc:
-                    log.error("%s kvstore: sending its last pushes failed: %s", kind, exc)
-            for queue in (returned, pending):
-                while queue:
-                    handle = queue.popleft()
-                    try:
-                        handle.wait()
-                    except Exception as exc:     # nobody is left to raise it to: say it loudly
-                        log.error("%s kvstore: %s failed: %s", kind, handle.what, exc)
-    finally:
-        leave(exit_reason())

@@ -201,7 +201,7 @@ class Node:
 
     def leave(self, reason=None):
         """Tell the scheduler this worker is done (unless the job is broken), then stop. `reason`:
-        why, when it is not a plain close (kvps.kvstore.base.exit_reason: its script raised); the
+        why, when it is not a plain close (kvps.kvstore.process.exit_reason: its script raised); the
         other nodes' errors quote it."""
         try:
             if self.failure is None:

@@ -136,14 +136,14 @@ def test_a_kvstore_never_closed_leaves_the_job_at_once(tmp_path, ending):
 
 DROPPED = TRAIN + r'''
 import gc
-from kvps.kvstore import base
+from kvps.kvstore import process
 def main():
     kv = train()
     rank = kv.rank
     kv.push(0, np.zeros(4, np.float32))     # returns at once: its handle waits, unchecked, in the kvstore
     del kv                                  # dropped while the process goes on (a Ray actor, a notebook)
     gc.collect()
-    print(json.dumps({"rank": rank, "left": not base._LIVE}), flush=True)
+    print(json.dumps({"rank": rank, "left": not process.LIVE}), flush=True)
 main()
 '''
 
