@@ -34,6 +34,14 @@ class _Distributed:
 
     param_groups = property(_groups, _set_groups)
 
+    def add_param_group(self, param_group):
+        if "_keys" in self.__dict__:        # (torch's own __init__ adds the wrapped groups first)
+            raise ValueError("add_param_group on a DistributedOptimizer: it reduces the parameters it was "
+                             "made with, so a group added later would train on each worker's own gradients "
+                             "alone. Give the optimizer every group before wrapping it (frozen parameters "
+                             "too: a parameter without a gradient goes as zeros), or wrap a new optimizer")
+        super().add_param_group(param_group)
+
     def _setup(self, named, mode, compression, passes, kv, update_on, bucket_bytes):
         self._mode, self._kv, self._k = mode, kv, passes
         self._update_on = update_on

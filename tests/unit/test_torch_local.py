@@ -108,6 +108,8 @@ def test_misuse_is_reported():
         opt.zero_grad()
     with pytest.raises(RuntimeError, match="after its gradient was sent"):
         torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match="add_param_group on a DistributedOptimizer"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(ValueError, match="backward_passes_per_step=0"):
         kt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=0,
                                 kvstore=kvps.create("local"))
