@@ -259,20 +259,23 @@ def _by_gather(tensor, name, op):
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None):
     """Sum or average `tensor` over every worker, in place; returns it."""
-    return _start(tensor, average, name, op, 0, prescale_factor, postscale_factor, process_set).result()
+    return _start(tensor, average, name, op, prescale=prescale_factor, postscale=postscale_factor,
+                  process_set=process_set).result()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
     """allreduce_ without waiting: a handle for poll() and synchronize(), which gives `tensor`
     (summed or averaged in place). Every worker must start the same allreduces in the same order."""
-    return _start(tensor, average, name, op, 0, prescale_factor, postscale_factor, process_set)
+    return _start(tensor, average, name, op, prescale=prescale_factor, postscale=postscale_factor,
+                  process_set=process_set)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None):
     """allreduce without waiting: synchronize(handle) gives the result as a new tensor."""
-    return _start(tensor.detach().clone(), average, name, op, 0, prescale_factor, postscale_factor, process_set)
+    return _start(tensor.detach().clone(), average, name, op, prescale=prescale_factor,
+                  postscale=postscale_factor, process_set=process_set)
 
 
 class Group:
@@ -289,11 +292,11 @@ class Group:
         return [p.result() for p in self.pending]
 
 
-def _group(tensors, average, name, op, *scales):
+def _group(tensors, average, name, op, prescale, postscale, process_set):
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"grouped_allreduce takes a list of tensors, not a {type(tensors).__name__}")
-    return Group([_start(t, average, None if name is None else f"{name}.{i}", op, 0, *scales)
-                  for i, t in enumerate(tensors)])
+    return Group([_start(t, average, None if name is None else f"{name}.{i}", op, prescale=prescale,
+                         postscale=postscale, process_set=process_set) for i, t in enumerate(tensors)])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -341,10 +344,10 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     """The sum or average of `tensor` over every worker, as a new tensor (Horovod's hvd.allreduce,
     its arguments in its order). Differentiable, as Horovod's: the gradient is reduced the same way."""
     exact(compression, "hvd.allreduce")
-    scales = (prescale_factor, postscale_factor, process_set)
+    options = dict(prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
     if _differentiable(tensor):
-        return _Allreduce.apply(tensor, average, name, op, scales)
-    return allreduce_(tensor.detach().clone(), average, name, op, *scales)
+        return _Allreduce.apply(tensor, average, name, op, options)
+    return allreduce_(tensor.detach().clone(), average, name, op, **options)
 
 
 class _WholeJob:
@@ -385,13 +388,13 @@ class _Allreduce(torch.autograd.Function):
     op (Horovod's HorovodAllreduce)."""
 
     @staticmethod
-    def forward(ctx, tensor, average, name, op, scales):
-        ctx.average, ctx.name, ctx.op, ctx.scales = average, name, op, scales
-        return allreduce_(tensor.detach().clone(), average, name, op, *scales)
+    def forward(ctx, tensor, average, name, op, options):
+        ctx.average, ctx.name, ctx.op, ctx.options = average, name, op, options
+        return allreduce_(tensor.detach().clone(), average, name, op, **options)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce_(grad.detach().clone(), ctx.average, _grad_name(ctx.name), ctx.op, *ctx.scales)
+        reduced = allreduce_(grad.detach().clone(), ctx.average, _grad_name(ctx.name), ctx.op, **ctx.options)
         return reduced, None, None, None, None
 
 
@@ -473,13 +476,15 @@ def _alltoall(tensor, splits, name):
             raise ValueError(f"hvd.alltoall splits={send} must be {workers} counts >= 0 (one per worker) that add "
                              f"up to the first dimension ({n})")
     tag = name if name is not None else _dtype_name(value) + str(list(value.shape[1:]))
-    matrix, _ = _gather(torch.tensor([send], dtype=torch.int64), f"alltoall/{tag}/splits")    # [sender][receiver]
-    rows, counts = _gather(value, f"alltoall/{tag}")
+    matrix = torch.zeros(workers, workers, dtype=torch.int64)      # [sender][receiver]: every worker's splits
+    matrix[me] = torch.tensor(send)
+    allreduce_(matrix, name=f"alltoall/{tag}/splits", op=Sum)
+    rows, _ = _gather(value, f"alltoall/{tag}")
     parts, start = [], 0
     for sender in range(workers):
         offset = start + int(matrix[sender, :me].sum())
         parts.append(rows[offset:offset + int(matrix[sender, me])])
-        start += counts[sender]
+        start += int(matrix[sender].sum())
     return torch.cat(parts).to(tensor.device), matrix[:, me].to(torch.int32)
 
 

@@ -24,8 +24,7 @@ class _Distributed:
         # finishes first, as if it had called synchronize(). (Stored under the same name, so torch's
         # own __init__ and __setstate__ work unchanged.)
         d = self.__dict__
-        handles = d.get("_handles")
-        if handles is not None and d.get("_mode") in ("sync", "allreduce") and any(h is not None for h in handles):
+        if d.get("_mode") in ("sync", "allreduce") and self._reducing():
             self.synchronize()
         return d["param_groups"]
 
@@ -33,6 +32,10 @@ class _Distributed:
         self.__dict__["param_groups"] = groups
 
     param_groups = property(_groups, _set_groups)
+
+    def _reducing(self):
+        """Whether gradients are being reduced (sent, not yet synchronized)."""
+        return any(h is not None for h in self.__dict__.get("_handles", ()))
 
     def add_param_group(self, param_group):
         if "_keys" in self.__dict__:        # (torch's own __init__ adds the wrapped groups first)
@@ -280,7 +283,7 @@ class _Distributed:
             torch._foreach_copy_(self._base, [p.detach() for p in self._params])
 
     def zero_grad(self, set_to_none=True):
-        if any(h is not None for h in self._handles):
+        if self._reducing():
             raise RuntimeError("zero_grad() while gradients are being reduced: call step() or synchronize() first. "
                                "(A backward through these parameters for another optimizer's loss, such as a "
                                "GAN's generator loss through its discriminator, starts their reduction too: "
